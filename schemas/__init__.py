@@ -1,0 +1,58 @@
+"""Wire schemas: every body that crosses a process boundary (pydantic v2)."""
+
+from schemas.cluster import (
+    ClusterConfig,
+    InstanceSpec,
+    ModelSpec,
+    SchedulerConfig,
+    StepTimeCoefficients,
+    TenantBudget,
+)
+from schemas.messages import (
+    DeadLetter,
+    Decision,
+    DecisionFlag,
+    DecisionStatus,
+    Result,
+    RoutedQuery,
+    WindowStats,
+)
+from schemas.parse import BadMessage, Limits, decode_json, parse_model, parse_query
+from schemas.query import ChatMessage, Query
+from schemas.state import InstanceSnapshot, ResidentRequest
+
+TOPIC_BODIES = {
+    "queries": Query,
+    "route.<instance>": RoutedQuery,
+    "decisions": Decision,
+    "results": Result,
+    "dead-letters": DeadLetter,
+    "cluster-config": ClusterConfig,
+    "instance-snapshot": InstanceSnapshot,
+}
+
+__all__ = [
+    "TOPIC_BODIES",
+    "BadMessage",
+    "ChatMessage",
+    "ClusterConfig",
+    "DeadLetter",
+    "Decision",
+    "DecisionFlag",
+    "DecisionStatus",
+    "InstanceSnapshot",
+    "InstanceSpec",
+    "Limits",
+    "ModelSpec",
+    "Query",
+    "ResidentRequest",
+    "Result",
+    "RoutedQuery",
+    "SchedulerConfig",
+    "StepTimeCoefficients",
+    "TenantBudget",
+    "WindowStats",
+    "decode_json",
+    "parse_model",
+    "parse_query",
+]

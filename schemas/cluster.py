@@ -1,0 +1,137 @@
+"""Model, instance and cluster configuration (loadable from YAML or JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.query import TENANT_PATTERN
+
+INSTANCE_ID_PATTERN = r"^[A-Za-z0-9_\-]{1,100}$"
+
+
+class SchedulerConfig(BaseModel):
+    """The serving framework's batching policy and its limits (vLLM engine args)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["vllm-v1", "sarathi", "vllm-v0"] = "vllm-v1"
+    max_num_batched_tokens: int = Field(default=8192, ge=1, le=1_048_576)
+    max_num_seqs: int = Field(default=256, ge=1, le=65_536)
+    chunk_size_tokens: int = Field(default=512, ge=1, le=1_048_576)  # Sarathi-Serve only
+    kv_blocks: int = Field(default=1_000_000, ge=1)
+    block_size_tokens: int = Field(default=16, ge=1, le=4096)
+    shared_prefix_tokens: int = Field(default=0, ge=0)  # prefix-cache hit for every request
+
+
+class StepTimeCoefficients(BaseModel):
+    """Paper A's Eq. 9: t = c0 + c1·N_tokens + c2·Σ decode ctx + c3·Σ q·(q/2 + ctx), in ms."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    c0_ms: float = Field(ge=0)
+    c1_ms_per_token: float = Field(ge=0)
+    c2_ms_per_ctx_token: float = Field(ge=0)
+    c3_ms_per_attn_unit: float = Field(ge=0)
+
+
+class ModelSpec(BaseModel):
+    """One model: prices, serving shape and timing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=128)
+    kind: Literal["local", "cloud"] = "local"
+    input_usd_per_token: float = Field(ge=0, le=1.0)
+    output_usd_per_token: float = Field(ge=0, le=1.0)
+    gpus_per_instance: int = Field(default=1, ge=0, le=1024)
+    max_concurrency: int = Field(default=64, ge=1, le=65_536)
+    profile: str | None = None  # step-time profile name, e.g. "llama-2-7b-hf@h100"
+    step_time: StepTimeCoefficients | None = None  # explicit coefficients win over `profile`
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    rate_limit_rps: float | None = Field(default=None, gt=0)  # cloud endpoints
+    mean_output_tokens: float | None = Field(default=None, gt=0)
+
+    def cost_usd(self, prompt_tokens: float, output_tokens: float) -> float:
+        return self.input_usd_per_token * prompt_tokens + self.output_usd_per_token * output_tokens
+
+
+class InstanceSpec(BaseModel):
+    """One serving instance of a model; queries for it go to ``topic``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=INSTANCE_ID_PATTERN)
+    model: str
+    endpoint: str | None = None  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000
+    topic: str | None = None
+
+    @property
+    def route_topic(self) -> str:
+        return self.topic or f"route.{self.id}"
+
+
+class TenantBudget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    tenant: str = Field(pattern=TENANT_PATTERN)
+    budget_usd: float = Field(ge=0)
+    period_s: float = Field(default=86_400.0, gt=0)
+
+
+class ClusterConfig(BaseModel):
+    """Models, their instances and tenant budgets."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    models: list[ModelSpec] = Field(min_length=1)
+    instances: list[InstanceSpec] = Field(min_length=1)
+    tenants: list[TenantBudget] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model names must be unique, repeated: {sorted(dup)}")
+        ids = [i.id for i in self.instances]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ValueError(f"instance ids must be unique, repeated: {sorted(dup)}")
+        known = set(names)
+        for inst in self.instances:
+            if inst.model not in known:
+                raise ValueError(f"instance {inst.id!r} names unknown model {inst.model!r}")
+        return self
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"unknown model {name!r}; known: {[m.name for m in self.models]}")
+
+    def model_of(self, instance_id: str) -> ModelSpec:
+        return self.model(self.instance(instance_id).model)
+
+    def instance(self, instance_id: str) -> InstanceSpec:
+        for inst in self.instances:
+            if inst.id == instance_id:
+                return inst
+        raise KeyError(f"unknown instance {instance_id!r}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ClusterConfig:
+        """Load from ``.yaml``/``.yml`` or ``.json``; errors name the file and the field."""
+        p = Path(path)
+        text = p.read_text(encoding="utf-8")
+        data: Any
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        return cls.model_validate(data)

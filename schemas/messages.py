@@ -1,0 +1,138 @@
+"""Bodies of the ``route.<instance>``, ``decisions``, ``results`` and ``dead-letters`` topics."""
+
+from __future__ import annotations
+
+import base64
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.query import Query, QueryId
+
+
+class DecisionStatus(StrEnum):
+    ROUTED = "routed"
+    DEFERRED = "deferred"  # did not fit in the budget; not sent to any instance
+    OVER_BUDGET = "over_budget"  # routed although it breaks the budget (configuration allows it)
+    REJECTED = "rejected"  # duplicate or no instance at all
+
+
+class DecisionFlag(StrEnum):
+    SLO_INFEASIBLE = "slo_infeasible"  # no instance could meet the SLO: sent to the lowest-TTFT one
+    LPS_ESTIMATE = "lps_estimate"  # TTFT from the LPS average case (no live state)
+    STALE_STATE = "stale_state"  # snapshot older than the staleness limit
+    BUDGET_BLIND = "budget_blind"  # ledger unreachable: spend reserved conservatively
+    DEADLINE = "deadline"  # solver stopped at its deadline; best feasible decision returned
+    REROUTED = "rerouted"  # re-routed after its instance stopped heart-beating
+
+
+class WindowStats(BaseModel):
+    """Solver figures of the whole window a decision belongs to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_id: str
+    n_queries: int = Field(ge=0)
+    solver: str
+    objective: float
+    lp_bound: float
+    gap: float = Field(ge=0)
+    budget_dual: float = 0.0
+    budget_usd: float
+    spend_usd: float
+    decide_ms: float = Field(ge=0)
+    ttft_rounds: int = Field(default=0, ge=0)
+
+
+class Decision(BaseModel):
+    """Where one query goes and why (``decisions`` audit topic)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query_id: QueryId
+    tenant: str
+    status: DecisionStatus
+    instance_id: str | None = None
+    model: str | None = None
+    policy: str
+    flags: list[DecisionFlag] = Field(default_factory=list)
+    predicted_quality: float | None = None
+    predicted_quality_lb: float | None = None
+    predicted_cost_usd: float | None = Field(default=None, ge=0)
+    predicted_ttft_ms: float | None = Field(default=None, ge=0)
+    predicted_output_tokens: int | None = Field(default=None, ge=0)
+    decided_at: float = Field(ge=0)
+    reason: str | None = None
+    window: WindowStats | None = None
+
+
+class RoutedQuery(BaseModel):
+    """Body of ``route.<instance>``: the query and the decision that sent it there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: Query
+    decision: Decision
+
+
+class Result(BaseModel):
+    """Body of ``results``: what a worker got back from its engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query_id: QueryId
+    tenant: str
+    instance_id: str
+    model: str
+    text: str = ""
+    ttft_ms: float | None = Field(default=None, ge=0)
+    e2e_ms: float | None = Field(default=None, ge=0)
+    prompt_tokens: int = Field(default=0, ge=0)
+    output_tokens: int = Field(default=0, ge=0)
+    cost_usd: float = Field(default=0.0, ge=0)
+    slo_met: bool | None = None
+    error: str | None = None
+    attempt: int = Field(default=1, ge=1)
+    finished_at: float = Field(ge=0)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class DeadLetter(BaseModel):
+    """Body of ``dead-letters``: a message that could not be handled, kept whole."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    raw_b64: str
+    reason: str
+    topic: str
+    partition: int = Field(ge=-1)
+    offset: int = Field(ge=-1)
+    stage: str = "validate"
+    received_at: float = Field(ge=0)
+
+    @classmethod
+    def of(
+        cls,
+        raw: bytes,
+        reason: str,
+        topic: str,
+        partition: int,
+        offset: int,
+        received_at: float,
+        stage: str = "validate",
+    ) -> DeadLetter:
+        return cls(
+            raw_b64=base64.b64encode(raw).decode("ascii"),
+            reason=reason,
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            stage=stage,
+            received_at=received_at,
+        )
+
+    def raw(self) -> bytes:
+        return base64.b64decode(self.raw_b64)

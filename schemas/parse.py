@@ -1,0 +1,101 @@
+"""Bytes off the wire → validated models, with size caps and one clear error per failure."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from schemas.errors import describe_validation_error
+from schemas.query import Query
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size caps applied before and during validation."""
+
+    max_message_bytes: int = 1_048_576
+    max_prompt_bytes: int = 524_288
+    max_json_depth: int = 32
+
+
+class BadMessage(ValueError):
+    """A message that cannot be accepted; ``reason`` names the problem."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of decoded JSON, stopping early once past ``limit``."""
+    depth = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, d = stack.pop()
+        if d > depth:
+            depth = d
+            if depth > limit:
+                return depth
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node)
+    return depth
+
+
+def decode_json(raw: bytes | bytearray | memoryview | None, limits: Limits = Limits()) -> Any:
+    """Decode a JSON message; raise ``BadMessage`` naming the problem."""
+    if raw is None:
+        raise BadMessage("empty message (null value)")
+    data = bytes(raw)
+    if len(data) > limits.max_message_bytes:
+        raise BadMessage(
+            f"message is {len(data)} bytes, over the cap of {limits.max_message_bytes} bytes"
+        )
+    if not data.strip():
+        raise BadMessage("empty message")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadMessage(f"message is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise BadMessage(f"JSON nested deeper than {limits.max_json_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise BadMessage(
+            f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if _depth(value, limits.max_json_depth) > limits.max_json_depth:
+        raise BadMessage(f"JSON nested deeper than {limits.max_json_depth} levels")
+    return value
+
+
+def parse_model(model: type[M], raw: bytes | None, limits: Limits = Limits(), what: str = "") -> M:
+    """Validate ``raw`` JSON bytes as ``model``; raise ``BadMessage`` naming the field and rule."""
+    value = decode_json(raw, limits)
+    if not isinstance(value, dict):
+        raise BadMessage(f"{what or model.__name__} must be a JSON object, got {type(value).__name__}")
+    return validate_model(model, value, limits, what)
+
+
+def validate_model(model: type[M], value: dict[str, Any], limits: Limits = Limits(), what: str = "") -> M:
+    prefix = ""
+    qid = value.get("id") if model is Query else value.get("query_id")
+    if isinstance(qid, str) and len(qid) <= 128:
+        prefix = f"{what or model.__name__.lower()} {qid}: "
+    try:
+        return model.model_validate(value, context={"max_prompt_bytes": limits.max_prompt_bytes})
+    except ValidationError as exc:
+        raise BadMessage(describe_validation_error(exc, prefix)) from None
+    except (RecursionError, OverflowError) as exc:
+        raise BadMessage(f"{prefix}cannot validate: {type(exc).__name__}") from None
+
+
+def parse_query(raw: bytes | None, limits: Limits = Limits()) -> Query:
+    return parse_model(Query, raw, limits, "query")

@@ -1,0 +1,117 @@
+"""Query: one LLM request as produced to the ``queries`` topic.
+
+The body accepts the OpenAI completion and chat request fields (``prompt`` or
+``messages``, ``max_tokens``, ``temperature`` ...) plus the routing fields
+(``id``, ``ttft_slo_ms``, ``tenant``, ``prompt_tokens``, ``created_at``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+MAX_SLO_MS = 3_600_000.0  # one hour: anything larger is a unit mistake, not an SLO
+QUERY_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
+TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+
+QueryId = Annotated[str, Field(pattern=QUERY_ID_PATTERN)]
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI chat message; ``content`` may be text or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+class Query(BaseModel):
+    """A query to route. Exactly one of ``prompt`` (completion) or ``messages`` (chat)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    # routing fields
+    id: QueryId
+    tenant: str = Field(default="default", pattern=TENANT_PATTERN)
+    ttft_slo_ms: float = Field(default=2_000.0, gt=0, le=MAX_SLO_MS)
+    prompt_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
+    created_at: float | None = Field(default=None, ge=0, le=1e11)
+    task: str | None = Field(default=None, max_length=128)
+
+    # OpenAI completion / chat request fields
+    model: str | None = Field(default=None, max_length=256)
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = None
+    suffix: str | None = None
+    user: str | None = Field(default=None, max_length=256)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("ttft_slo_ms")
+    @classmethod
+    def _finite_slo(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self, info: ValidationInfo) -> Query:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt or messages is required")
+        cap = None
+        if info.context and isinstance(info.context, dict):
+            cap = info.context.get("max_prompt_bytes")
+        if cap is not None:
+            size = len(self.text().encode("utf-8", "surrogatepass"))
+            if size > cap:
+                raise ValueError(f"prompt is {size} bytes, over the cap of {cap} bytes")
+        return self
+
+    @property
+    def kind(self) -> Literal["completion", "chat"]:
+        return "chat" if self.messages is not None else "completion"
+
+    def text(self) -> str:
+        """The prompt text the model will read (chat messages joined by newlines)."""
+        if self.messages is not None:
+            return "\n".join(m.text() for m in self.messages)
+        if isinstance(self.prompt, list):
+            return "\n".join(self.prompt)
+        return self.prompt or ""
+
+    def output_cap_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def estimated_prompt_tokens(self) -> int:
+        """``prompt_tokens`` when the producer gave it, else ~4 bytes per token."""
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
+        return max(1, math.ceil(len(self.text().encode("utf-8", "surrogatepass")) / 4))
