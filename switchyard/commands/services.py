@@ -1,0 +1,68 @@
+"""``switchyard services up|down|status|env``: local Kafka and Redis without Docker."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def register(app: typer.Typer) -> None:
+    svc = typer.Typer(help="Local Kafka (Maven Central jars, KRaft) and Redis on loopback.", no_args_is_help=True)
+    app.add_typer(svc, name="services")
+
+    @svc.command("up")
+    def up(
+        kafka: bool = typer.Option(True, help="Start the Kafka broker"),
+        redis: bool = typer.Option(True, help="Start redis-server"),
+        kafka_port: int = typer.Option(0, envvar="SWITCHYARD_KAFKA_PORT", help="0: 19092 or any free port"),
+        redis_port: int = typer.Option(0, envvar="SWITCHYARD_REDIS_PORT", help="0: 16379 or any free port"),
+    ) -> None:
+        """Start the services (idempotent) and print their addresses as env lines."""
+        from switchyard import services
+
+        try:
+            if redis:
+                services.redis_up(port=redis_port or None)
+            if kafka:
+                services.kafka_up(port=kafka_port or None)
+        except services.ServiceError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        for line in services.env_lines():
+            typer.echo(line)
+
+    @svc.command("down")
+    def down() -> None:
+        """Stop only the processes `up` started (recorded pids)."""
+        from switchyard import services
+
+        stopped = services.down()
+        typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+    @svc.command("status")
+    def status(as_json: bool = typer.Option(False, "--json")) -> None:
+        """Each service, its address, version and pid."""
+        from switchyard import services
+
+        rows = services.status()
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        table = Table("service", "address", "version", "pid", "running")
+        for r in rows:
+            table.add_row(r["service"], r["address"], r["version"], str(r["pid"]), "yes" if r["running"] else "NO")
+        if not rows:
+            typer.echo("no services started by switchyard")
+            return
+        Console().print(table)
+
+    @svc.command("env")
+    def env() -> None:
+        """SWITCHYARD_KAFKA / SWITCHYARD_REDIS lines for the running services."""
+        from switchyard import services
+
+        for line in services.env_lines():
+            typer.echo(line)

@@ -1,0 +1,100 @@
+"""Cluster config, snapshots, results and dead letters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from schemas import (
+    TOPIC_BODIES,
+    BadMessage,
+    ClusterConfig,
+    DeadLetter,
+    InstanceSnapshot,
+    ResidentRequest,
+    Result,
+    parse_model,
+)
+
+CLUSTER_YAML = """
+models:
+  - name: small
+    input_usd_per_token: 1.0e-7
+    output_usd_per_token: 2.0e-7
+    profile: llama-2-7b-hf@h100
+    scheduler: {policy: vllm-v1, max_num_batched_tokens: 4096}
+  - name: cloud-big
+    kind: cloud
+    input_usd_per_token: 5.0e-6
+    output_usd_per_token: 1.5e-5
+    rate_limit_rps: 50
+instances:
+  - {id: small-0, model: small, endpoint: "http://127.0.0.1:8001"}
+  - {id: big-0, model: cloud-big}
+tenants:
+  - {tenant: acme, budget_usd: 10}
+"""
+
+
+def test_cluster_from_yaml_and_json(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(CLUSTER_YAML)
+    cfg = ClusterConfig.from_file(p)
+    assert cfg.model_of("small-0").scheduler.max_num_batched_tokens == 4096
+    assert cfg.instance("big-0").route_topic == "route.big-0"
+    assert cfg.model("small").cost_usd(100, 10) == pytest.approx(1e-5 + 2e-6)
+    j = tmp_path / "c.json"
+    j.write_text(cfg.model_dump_json())
+    assert ClusterConfig.from_file(j) == cfg
+
+
+def test_cluster_rejects_unknown_model_and_duplicates(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(CLUSTER_YAML.replace("model: cloud-big}", "model: nope}"))
+    with pytest.raises(ValidationError, match="names unknown model 'nope'"):
+        ClusterConfig.from_file(p)
+    p.write_text(CLUSTER_YAML.replace("id: big-0", "id: small-0"))
+    with pytest.raises(ValidationError, match="instance ids must be unique"):
+        ClusterConfig.from_file(p)
+
+
+def test_resident_request_rules() -> None:
+    with pytest.raises(ValidationError, match="prefilled_tokens .* must be <= prompt_tokens"):
+        ResidentRequest(query_id="a", prompt_tokens=10, prefilled_tokens=11)
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        ResidentRequest(query_id="a", prompt_tokens=-1)
+    with pytest.raises(ValidationError, match="decoded_tokens must be 0"):
+        ResidentRequest(query_id="a", prompt_tokens=10, prefilled_tokens=5, decoded_tokens=1)
+
+
+def test_snapshot_age() -> None:
+    snap = InstanceSnapshot(instance_id="i", model="m", taken_at=100.0)
+    assert snap.age_s(102.5) == 2.5 and snap.is_stale(102.5, 2.0) and not snap.is_stale(101, 2.0)
+
+
+def test_dead_letter_keeps_raw_bytes() -> None:
+    raw = b"\xff\x00 not json"
+    dl = DeadLetter.of(raw, "message is not valid UTF-8", "queries", 3, 17, 1.0)
+    back = DeadLetter.model_validate_json(dl.model_dump_json())
+    assert back.raw() == raw and back.partition == 3 and back.offset == 17
+
+
+def test_result_parse_error_names_field() -> None:
+    with pytest.raises(BadMessage, match="result q1: ttft_ms must be >= 0, got -1"):
+        parse_model(
+            Result,
+            json.dumps(
+                {"query_id": "q1", "tenant": "t", "instance_id": "i", "model": "m", "ttft_ms": -1, "finished_at": 1}
+            ).encode(),
+            what="result",
+        )
+
+
+def test_every_topic_body_exports_json_schema() -> None:
+    for topic, model in TOPIC_BODIES.items():
+        schema = model.model_json_schema()
+        assert schema["type"] == "object", topic
+        assert schema["properties"], topic
