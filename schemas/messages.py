@@ -62,6 +62,7 @@ class Decision(BaseModel):
     predicted_ttft_ms: float | None = Field(default=None, ge=0)
     predicted_output_tokens: int | None = Field(default=None, ge=0)
     decided_at: float = Field(ge=0)
+    budget_period: str | None = None  # ledger period the predicted cost was reserved in
     reason: str | None = None
     window: WindowStats | None = None
 
