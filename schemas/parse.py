@@ -80,11 +80,15 @@ def parse_model(model: type[M], raw: bytes | None, limits: Limits = Limits(), wh
     """Validate ``raw`` JSON bytes as ``model``; raise ``BadMessage`` naming the field and rule."""
     value = decode_json(raw, limits)
     if not isinstance(value, dict):
-        raise BadMessage(f"{what or model.__name__} must be a JSON object, got {type(value).__name__}")
+        raise BadMessage(
+            f"{what or model.__name__} must be a JSON object, got {type(value).__name__}"
+        )
     return validate_model(model, value, limits, what)
 
 
-def validate_model(model: type[M], value: dict[str, Any], limits: Limits = Limits(), what: str = "") -> M:
+def validate_model(
+    model: type[M], value: dict[str, Any], limits: Limits = Limits(), what: str = ""
+) -> M:
     prefix = ""
     qid = value.get("id") if model is Query else value.get("query_id")
     if isinstance(qid, str) and len(qid) <= 128:

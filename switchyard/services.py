@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from switchyard.devcerts import TlsFiles
 from switchyard.paths import REPO_ROOT, state_dir
 
 KAFKA_DIR = REPO_ROOT / "services" / "kafka"
@@ -134,7 +135,9 @@ def kafka_libs() -> Path:
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=KAFKA_DIR, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ServiceError(f"Maven could not resolve the Kafka jars:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise ServiceError(
+            f"Maven could not resolve the Kafka jars:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     stamp.write_text(digest)
     return libs
 
@@ -160,12 +163,15 @@ def kafka_up(
     home: Path | None = None,
     sasl_port: int | None = None,
     scram_users: list[ScramUser] | None = None,
+    tls_port: int | None = None,
+    tls: TlsFiles | None = None,
     timeout_s: float = 90.0,
 ) -> ServiceRecord:
     """Start a single-node KRaft broker on 127.0.0.1; return once metadata requests succeed.
 
     With ``sasl_port`` a second listener ``SASL_PLAINTEXT`` is opened with SCRAM users
-    created at format time (``StorageTool format --add-scram``).
+    created at format time (``StorageTool format --add-scram``); with ``tls_port`` and
+    ``tls`` a ``SASL_SSL`` listener (SCRAM over TLS, PEM keystore) as well.
     """
     name = "kafka"
     existing = load_records(home).get(name)
@@ -182,19 +188,28 @@ def kafka_up(
     advertised = [f"PLAINTEXT://127.0.0.1:{port}"]
     pmap = ["CONTROLLER:PLAINTEXT", "PLAINTEXT:PLAINTEXT"]
     extra: list[str] = []
+    sasl_listeners: list[tuple[str, int]] = []
     if sasl_port:
-        listeners.append(f"SASL_PLAINTEXT://127.0.0.1:{sasl_port}")
-        advertised.append(f"SASL_PLAINTEXT://127.0.0.1:{sasl_port}")
-        pmap.append("SASL_PLAINTEXT:SASL_PLAINTEXT")
+        sasl_listeners.append(("SASL_PLAINTEXT", sasl_port))
+    if tls_port:
+        if tls is None:
+            raise ServiceError("kafka_up: tls_port needs tls files (see switchyard.devcerts)")
+        sasl_listeners.append(("SASL_SSL", tls_port))
+        extra += [
+            "listener.name.sasl_ssl.ssl.keystore.type=PEM",
+            f"listener.name.sasl_ssl.ssl.keystore.location={tls.keystore}",
+        ]
+    for proto, lport in sasl_listeners:
+        listeners.append(f"{proto}://127.0.0.1:{lport}")
+        advertised.append(f"{proto}://127.0.0.1:{lport}")
+        pmap.append(f"{proto}:{proto}")
+        for mech in ("scram-sha-256", "scram-sha-512"):
+            extra.append(
+                f"listener.name.{proto.lower()}.{mech}.sasl.jaas.config="
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+            )
+    if sasl_listeners:
         extra.append("sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512")
-        extra.append(
-            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config="
-            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
-        )
-        extra.append(
-            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config="
-            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
-        )
     props = (KAFKA_DIR / "server.properties.in").read_text()
     for key, value in {
         "@CPORT@": str(cport),
@@ -216,7 +231,9 @@ def kafka_up(
         fmt += ["--add-scram", f"{user.mechanism}=[name={user.name},password={user.password}]"]
     proc = subprocess.run(fmt, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ServiceError(f"Kafka storage format failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise ServiceError(
+            f"Kafka storage format failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     log = run / "broker.log"
     marker = f"switchyard.kafka.{port}"
     cmd = [
@@ -235,7 +252,12 @@ def kafka_up(
         log=str(log),
         data_dir=str(run),
         started_at=time.time(),
-        extra={"controller_port": cport, "sasl_port": sasl_port, "cluster_id": cluster_id},
+        extra={
+            "controller_port": cport,
+            "sasl_port": sasl_port,
+            "tls_port": tls_port,
+            "cluster_id": cluster_id,
+        },
     )
     _save(rec, home)
     deadline = time.monotonic() + timeout_s
@@ -269,7 +291,9 @@ def kafka_ready(bootstrap: str, timeout_s: float = 5.0) -> bool:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
     async def probe() -> bool:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000)
+        )
         try:
             await asyncio.wait_for(admin.start(), timeout_s)
             await asyncio.wait_for(admin.describe_cluster(), timeout_s)
@@ -293,7 +317,9 @@ def ensure_redis_server() -> str:
     if path:
         return path
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise ServiceError("redis-server is not installed: run `apt-get install redis-server` as root")
+        raise ServiceError(
+            "redis-server is not installed: run `apt-get install redis-server` as root"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "redis-server"]):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -309,7 +335,7 @@ def redis_up(
     port: int | None = None,
     home: Path | None = None,
     password: str | None = None,
-    tls: dict[str, str] | None = None,
+    tls: TlsFiles | None = None,
     name: str = "redis",
     timeout_s: float = 30.0,
 ) -> ServiceRecord:
@@ -336,8 +362,8 @@ def redis_up(
         "loglevel notice",
     ]
     if tls:
-        lines += ["port 0", f"tls-port {port}", f"tls-cert-file {tls['cert']}",
-                  f"tls-key-file {tls['key']}", f"tls-ca-cert-file {tls['ca']}",
+        lines += ["port 0", f"tls-port {port}", f"tls-cert-file {tls.cert}",
+                  f"tls-key-file {tls.key}", f"tls-ca-cert-file {tls.ca}",
                   "tls-auth-clients no"]  # fmt: skip
     else:
         lines.append(f"port {port}")
@@ -348,7 +374,9 @@ def redis_up(
     conf.chmod(0o600)
     log = run / "redis.log"
     with open(log, "wb") as out:
-        child = subprocess.Popen([binary, str(conf)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(
+            [binary, str(conf)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     scheme = "rediss" if tls else "redis"
     rec = ServiceRecord(
         name=name,
@@ -365,7 +393,9 @@ def redis_up(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise ServiceError(f"redis-server exited with {child.returncode}:\n{log.read_text()[-2000:]}")
+            raise ServiceError(
+                f"redis-server exited with {child.returncode}:\n{log.read_text()[-2000:]}"
+            )
         version = redis_version(rec.address, password=password, tls=tls)
         if version:
             rec.version = version
@@ -376,12 +406,12 @@ def redis_up(
     raise ServiceError(f"redis-server not answering PING after {timeout_s:.0f} s; see {log}")
 
 
-def redis_version(url: str, password: str | None = None, tls: dict[str, str] | None = None) -> str | None:
+def redis_version(url: str, password: str | None = None, tls: TlsFiles | None = None) -> str | None:
     import redis
 
     kwargs: dict[str, Any] = {"socket_timeout": 2, "password": password}
     if tls:
-        kwargs.update(ssl_ca_certs=tls["ca"], ssl_cert_reqs="required")
+        kwargs.update(ssl_ca_certs=tls.ca, ssl_cert_reqs="required")
     try:
         client = redis.Redis.from_url(url, **kwargs)
         info = client.info("server")

@@ -40,7 +40,9 @@ def main(argv: list[str]) -> int:
     finally:
         started = [n for n in ("kafka", "redis") if n not in before]
         services.down(names=started)
-        print(f"services: stopped {', '.join(started) or 'nothing'} (started by this run)", flush=True)
+        print(
+            f"services: stopped {', '.join(started) or 'nothing'} (started by this run)", flush=True
+        )
 
 
 if __name__ == "__main__":

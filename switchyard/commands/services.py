@@ -10,15 +10,21 @@ from rich.table import Table
 
 
 def register(app: typer.Typer) -> None:
-    svc = typer.Typer(help="Local Kafka (Maven Central jars, KRaft) and Redis on loopback.", no_args_is_help=True)
+    svc = typer.Typer(
+        help="Local Kafka (Maven Central jars, KRaft) and Redis on loopback.", no_args_is_help=True
+    )
     app.add_typer(svc, name="services")
 
     @svc.command("up")
     def up(
         kafka: bool = typer.Option(True, help="Start the Kafka broker"),
         redis: bool = typer.Option(True, help="Start redis-server"),
-        kafka_port: int = typer.Option(0, envvar="SWITCHYARD_KAFKA_PORT", help="0: 19092 or any free port"),
-        redis_port: int = typer.Option(0, envvar="SWITCHYARD_REDIS_PORT", help="0: 16379 or any free port"),
+        kafka_port: int = typer.Option(
+            0, envvar="SWITCHYARD_KAFKA_PORT", help="0: 19092 or any free port"
+        ),
+        redis_port: int = typer.Option(
+            0, envvar="SWITCHYARD_REDIS_PORT", help="0: 16379 or any free port"
+        ),
     ) -> None:
         """Start the services (idempotent) and print their addresses as env lines."""
         from switchyard import services
@@ -53,7 +59,13 @@ def register(app: typer.Typer) -> None:
             return
         table = Table("service", "address", "version", "pid", "running")
         for r in rows:
-            table.add_row(r["service"], r["address"], r["version"], str(r["pid"]), "yes" if r["running"] else "NO")
+            table.add_row(
+                r["service"],
+                r["address"],
+                r["version"],
+                str(r["pid"]),
+                "yes" if r["running"] else "NO",
+            )
         if not rows:
             typer.echo("no services started by switchyard")
             return

@@ -21,7 +21,9 @@ async def test_produce_consume_10k_in_order_per_partition(kafka_bootstrap: str) 
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, num_partitions=PARTITIONS, replication_factor=1)])
+        await admin.create_topics(
+            [NewTopic(topic, num_partitions=PARTITIONS, replication_factor=1)]
+        )
     finally:
         await admin.close()
 

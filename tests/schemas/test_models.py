@@ -87,7 +87,14 @@ def test_result_parse_error_names_field() -> None:
         parse_model(
             Result,
             json.dumps(
-                {"query_id": "q1", "tenant": "t", "instance_id": "i", "model": "m", "ttft_ms": -1, "finished_at": 1}
+                {
+                    "query_id": "q1",
+                    "tenant": "t",
+                    "instance_id": "i",
+                    "model": "m",
+                    "ttft_ms": -1,
+                    "finished_at": 1,
+                }
             ).encode(),
             what="result",
         )

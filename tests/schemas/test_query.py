@@ -22,10 +22,15 @@ def test_completion_and_chat_bodies_accepted() -> None:
     q = parse_query(body(max_tokens=64, temperature=0.2, stop=["\n"], stream=True))
     assert q.kind == "completion" and q.text() == "What is 2+2?" and q.output_cap_tokens() == 64
     chat = parse_query(
-        body(prompt=..., messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+        body(
+            prompt=...,
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        )
     )
     assert chat.kind == "chat" and chat.text() == "be brief\nhi"
-    parts = parse_query(body(prompt=..., messages=[{"role": "user", "content": [{"type": "text", "text": "ab"}]}]))
+    parts = parse_query(
+        body(prompt=..., messages=[{"role": "user", "content": [{"type": "text", "text": "ab"}]}])
+    )
     assert parts.text() == "ab"
 
 
@@ -49,15 +54,31 @@ BAD_CASES: list[tuple[str, bytes, str]] = [
     ("invalid utf-8", b'{"id": "q1", "prompt": "\xff\xfe"}', "not valid UTF-8"),
     ("lone surrogate bytes", b'{"id": "q1", "prompt": "\xed\xa0\x80"}', "not valid UTF-8"),
     ("missing id", json.dumps({"prompt": "hi"}).encode(), "id is required"),
-    ("missing prompt and messages", json.dumps({"id": "q1"}).encode(), "exactly one of prompt or messages"),
-    ("both prompt and messages", body(messages=[{"role": "user", "content": "x"}]), "exactly one of prompt or messages"),
+    (
+        "missing prompt and messages",
+        json.dumps({"id": "q1"}).encode(),
+        "exactly one of prompt or messages",
+    ),
+    (
+        "both prompt and messages",
+        body(messages=[{"role": "user", "content": "x"}]),
+        "exactly one of prompt or messages",
+    ),
     ("negative slo", body(ttft_slo_ms=-5), "ttft_slo_ms must be > 0, got -5"),
     ("zero slo", body(ttft_slo_ms=0), "ttft_slo_ms must be > 0, got 0"),
     ("absurd slo", body(ttft_slo_ms=1e12), "ttft_slo_ms must be <= 3600000"),
     ("slo as text", body(ttft_slo_ms="fast"), "ttft_slo_ms must be a number"),
     ("slo as list", body(ttft_slo_ms=[1]), "ttft_slo_ms must be a number"),
-    ("slo NaN", b'{"id": "q1", "prompt": "x", "ttft_slo_ms": NaN}', "ttft_slo_ms must be a finite number"),
-    ("slo Infinity", b'{"id": "q1", "prompt": "x", "ttft_slo_ms": Infinity}', "ttft_slo_ms must be a finite number"),
+    (
+        "slo NaN",
+        b'{"id": "q1", "prompt": "x", "ttft_slo_ms": NaN}',
+        "ttft_slo_ms must be a finite number",
+    ),
+    (
+        "slo Infinity",
+        b'{"id": "q1", "prompt": "x", "ttft_slo_ms": Infinity}',
+        "ttft_slo_ms must be a finite number",
+    ),
     ("id as number", body(id=17), "id must be a string"),
     ("id empty", body(id=""), "id must match"),
     ("id with spaces", body(id="a b"), "id must match"),
@@ -73,7 +94,11 @@ BAD_CASES: list[tuple[str, bytes, str]] = [
     ("negative prompt_tokens", body(prompt_tokens=-1), "prompt_tokens must be >= 0, got -1"),
     ("unknown field", body(ttft_slo=5), "ttft_slo is not a known field"),
     ("tenant with slash", body(tenant="a/b"), "tenant must match"),
-    ("bad role", body(prompt=..., messages=[{"role": "robot", "content": "x"}]), "messages[0].role must be one of"),
+    (
+        "bad role",
+        body(prompt=..., messages=[{"role": "robot", "content": "x"}]),
+        "messages[0].role must be one of",
+    ),
     ("empty messages", body(prompt=..., messages=[]), "messages must have at least 1 items"),
     ("message not object", body(prompt=..., messages=["hi"]), "messages[0] must be an object"),
     ("created_at negative", body(created_at=-1), "created_at must be >= 0"),
@@ -127,14 +152,18 @@ def test_arbitrary_bytes_never_raise_anything_but_badmessage(raw: bytes) -> None
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(list(Query.model_fields)), json_values, max_size=8))
-def test_arbitrary_field_values_never_raise_anything_but_badmessage(value: dict[str, object]) -> None:
+def test_arbitrary_field_values_never_raise_anything_but_badmessage(
+    value: dict[str, object],
+) -> None:
     try:
         q = parse_query(json.dumps(value).encode())
     except BadMessage as exc:
