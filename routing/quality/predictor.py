@@ -1,0 +1,269 @@
+"""The quality predictor the routers load: features -> bootstrap ensemble -> mean and
+robust lower bound, plus the output-length predictor and model prices, in one
+versioned artefact file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.cost import cost_usd, estimate_prompt_tokens
+from routing.datasets import DEFAULT_OUTPUT_TOKENS, RoutingData, split_by_query
+from routing.features import Featurizer, featurizer_from_state, make_featurizer
+from routing.length import LengthPredictor
+from routing.quality.base import QualityEstimate, ReplicateEstimator
+from routing.quality.calibration import conformal_kappa, coverage, nonconformity
+from routing.quality.gbdt import GBDTEstimator
+from routing.quality.irt import IRTEstimator
+from routing.quality.knn import KNNEstimator
+from routing.types import FloatArray, IntArray
+
+ARTEFACT_FORMAT = "switchyard-quality-predictor"
+ARTEFACT_VERSION = 1
+ESTIMATORS = ("knn", "gbdt", "irt")
+
+Float32Array = npt.NDArray[np.float32]
+
+
+class ArtefactError(ValueError):
+    """An artefact file that is not a predictor this code can load."""
+
+
+def make_estimator(name: str, semantic_dims: int | None = None, **kwargs: Any) -> ReplicateEstimator:
+    if name == "knn":
+        return KNNEstimator(semantic_dims=semantic_dims, **kwargs)
+    if name == "gbdt":
+        return GBDTEstimator(**kwargs)
+    if name == "irt":
+        return IRTEstimator(**kwargs)
+    raise ValueError(f"unknown estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
+
+
+def _estimator_from_state(name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> Any:
+    cls = {"knn": KNNEstimator, "gbdt": GBDTEstimator, "irt": IRTEstimator}.get(name)
+    if cls is None:
+        raise ArtefactError(f"unknown estimator {name!r} in artefact")
+    return cls.from_state(params, arrays)
+
+
+@dataclass
+class QualityPredictor:
+    """Per-(query, model) quality with a calibrated robust lower bound.
+
+    ``level`` is the nominal coverage of ``lower``: P(realised score >= lower) >= level
+    on exchangeable queries. Change it with ``with_level`` (no retraining: the
+    calibration scores are kept).
+    """
+
+    models: list[str]
+    featurizer: Any
+    estimator: Any
+    level: float
+    calibration_scores: FloatArray  # sorted nonconformity scores of the calibration pairs
+    s0: float
+    length: LengthPredictor
+    input_usd_per_token: FloatArray
+    output_usd_per_token: FloatArray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kappa = conformal_kappa(self.calibration_scores, self.level)
+        self.length.featurizer = self.featurizer
+
+    @property
+    def n_replicates(self) -> int:
+        return int(self.predict_replicates(np.zeros((1, self.featurizer.dim), np.float32)).shape[0])
+
+    def with_level(self, level: float) -> QualityPredictor:
+        return QualityPredictor(
+            models=self.models,
+            featurizer=self.featurizer,
+            estimator=self.estimator,
+            level=level,
+            calibration_scores=self.calibration_scores,
+            s0=self.s0,
+            length=self.length,
+            input_usd_per_token=self.input_usd_per_token,
+            output_usd_per_token=self.output_usd_per_token,
+            meta=dict(self.meta),
+        )
+
+    # ------------------------------------------------------------------ predicting
+
+    def features(self, texts: Sequence[str]) -> Float32Array:
+        out: Float32Array = self.featurizer.transform(texts)
+        return out
+
+    def predict_replicates(self, X: Float32Array) -> npt.NDArray[np.float32]:
+        out: npt.NDArray[np.float32] = self.estimator.predict_replicates(X)
+        return out
+
+    def predict_features(self, X: Float32Array) -> QualityEstimate:
+        """Quality of ``n`` featurised queries on every model, ``[n, m]`` arrays."""
+        R = self.predict_replicates(np.asarray(X, dtype=np.float32))
+        mean = R.mean(axis=0, dtype=np.float64)
+        std = R.std(axis=0, dtype=np.float64)
+        lower = mean - self.kappa * (std + self.s0)
+        return QualityEstimate(mean=mean, lower=lower, std=std)
+
+    def predict(self, texts: Sequence[str]) -> QualityEstimate:
+        return self.predict_features(self.features(texts))
+
+    def bootstrap_lower(self, X: Float32Array) -> FloatArray:
+        """Uncalibrated robust value: the (1 - level) quantile over bootstrap replicates."""
+        R = self.predict_replicates(np.asarray(X, dtype=np.float32))
+        out: FloatArray = np.quantile(R, 1.0 - self.level, axis=0).astype(np.float64)
+        return out
+
+    def predict_output_tokens(self, texts: Sequence[str], prompt_tokens: IntArray | None = None) -> FloatArray:
+        p = estimate_prompt_tokens(texts) if prompt_tokens is None else prompt_tokens
+        return self.length.predict(texts, p)
+
+    def predict_cost_usd(self, prompt_tokens: IntArray, output_tokens: FloatArray) -> FloatArray:
+        return cost_usd(prompt_tokens, output_tokens, self.input_usd_per_token, self.output_usd_per_token)
+
+    # ------------------------------------------------------------------ artefact
+
+    def save(self, path: str | Path) -> None:
+        """Write one ``.npz`` file (no pickle): a JSON header plus named arrays."""
+        path = Path(path)
+        fname = self.featurizer.name
+        fparams, farrays = self.featurizer.state()
+        eparams, earrays = self.estimator.state()
+        lparams, larrays = self.length.state()
+        header = {
+            "format": ARTEFACT_FORMAT,
+            "version": ARTEFACT_VERSION,
+            "models": self.models,
+            "level": self.level,
+            "s0": self.s0,
+            "featurizer": {"name": fname, "params": fparams},
+            "estimator": {"name": self.estimator.name, "params": eparams},
+            "length": lparams,
+            "meta": self.meta,
+        }
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "header": np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8),
+            "calibration_scores": self.calibration_scores,
+            "input_usd_per_token": self.input_usd_per_token,
+            "output_usd_per_token": self.output_usd_per_token,
+        }
+        for prefix, part in (("feat", farrays), ("est", earrays), ("len", larrays)):
+            for k, v in part.items():
+                arrays[f"{prefix}__{k}"] = np.asarray(v)
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)  # type: ignore[arg-type]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(buf.getvalue())
+        os.replace(tmp, path)
+
+
+def load_predictor(path: str | Path) -> QualityPredictor:
+    """Load an artefact written by ``QualityPredictor.save``; checks format and version."""
+    path = Path(path)
+    if not path.exists():
+        raise ArtefactError(f"{path}: no such predictor file")
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ArtefactError(f"{path}: not a predictor artefact ({e})") from None
+    with npz:
+        if "header" not in npz.files:
+            raise ArtefactError(f"{path}: not a predictor artefact (no header)")
+        header = json.loads(bytes(npz["header"]).decode("utf-8"))
+        if header.get("format") != ARTEFACT_FORMAT:
+            raise ArtefactError(f"{path}: format {header.get('format')!r}, expected {ARTEFACT_FORMAT!r}")
+        if header.get("version") != ARTEFACT_VERSION:
+            raise ArtefactError(
+                f"{path}: artefact version {header.get('version')}, this code reads version {ARTEFACT_VERSION}; "
+                "retrain with `switchyard train`"
+            )
+        arrays = {k: npz[k] for k in npz.files}
+
+    def part(prefix: str) -> dict[str, npt.NDArray[Any]]:
+        p = prefix + "__"
+        return {k[len(p) :]: v for k, v in arrays.items() if k.startswith(p)}
+
+    feat = featurizer_from_state(header["featurizer"]["name"], header["featurizer"]["params"], part("feat"))
+    est = _estimator_from_state(header["estimator"]["name"], header["estimator"]["params"], part("est"))
+    length = LengthPredictor.from_state(header["length"], part("len"))
+    return QualityPredictor(
+        models=list(header["models"]),
+        featurizer=feat,
+        estimator=est,
+        level=float(header["level"]),
+        calibration_scores=arrays["calibration_scores"].astype(np.float64),
+        s0=float(header["s0"]),
+        length=length,
+        input_usd_per_token=arrays["input_usd_per_token"].astype(np.float64),
+        output_usd_per_token=arrays["output_usd_per_token"].astype(np.float64),
+        meta=dict(header.get("meta", {})),
+    )
+
+
+def train_predictor(
+    data: RoutingData,
+    estimator: str = "gbdt",
+    featurizer: str | Featurizer = "hashed",
+    n_replicates: int = 20,
+    level: float = 0.9,
+    calibration_fraction: float = 0.2,
+    seed: int = 0,
+    estimator_kwargs: dict[str, Any] | None = None,
+) -> QualityPredictor:
+    """Fit features, a bootstrap ensemble and the conformal calibration on ``data``.
+
+    The queries are split (by query) into a fitting part and a calibration part of
+    ``calibration_fraction``; the featurizer is fitted on the fitting texts only.
+    """
+    if n_replicates < 2:
+        raise ValueError(f"n_replicates must be >= 2 for a bootstrap interval, got {n_replicates}")
+    fit_part, cal_part = split_by_query(data, calibration_fraction, seed)
+    feat: Any = make_featurizer(featurizer) if isinstance(featurizer, str) else featurizer
+    feat.fit(fit_part.texts)
+    X_fit = feat.transform(fit_part.texts)
+    X_cal = feat.transform(cal_part.texts)
+    est = make_estimator(estimator, semantic_dims=feat.semantic_dims, **(estimator_kwargs or {}))
+    est.fit(X_fit, fit_part.scores, n_replicates, seed)
+    R = est.predict_replicates(X_cal)
+    mean = R.mean(axis=0, dtype=np.float64)
+    std = R.std(axis=0, dtype=np.float64)
+    s0 = float(max(np.median(std), 1e-3))
+    scores = np.sort(nonconformity(mean, std, cal_part.scores, s0))
+    length = LengthPredictor(data.models, DEFAULT_OUTPUT_TOKENS)
+    X_all = np.vstack([X_fit, X_cal])
+    out_tok = np.vstack([fit_part.output_tokens, cal_part.output_tokens])
+    prompt = np.concatenate([fit_part.prompt_tokens, cal_part.prompt_tokens])
+    length.fit(out_tok, prompt, X_all)
+    pin = np.nan_to_num(data.input_usd_per_token, nan=0.0)
+    pout = np.nan_to_num(data.output_usd_per_token, nan=0.0)
+    pred = QualityPredictor(
+        models=list(data.models),
+        featurizer=feat,
+        estimator=est,
+        level=level,
+        calibration_scores=scores,
+        s0=s0,
+        length=length,
+        input_usd_per_token=pin,
+        output_usd_per_token=pout,
+        meta={
+            "source": data.source,
+            "n_train_queries": fit_part.n,
+            "n_calibration_queries": cal_part.n,
+            "n_replicates": n_replicates,
+            "seed": seed,
+            "calibration_coverage": coverage(mean - conformal_kappa(scores, level) * (std + s0), cal_part.scores),
+        },
+    )
+    return pred
