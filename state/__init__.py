@@ -1,1 +1,33 @@
-"""state"""
+"""Shared state in Redis: instance live state, heartbeats, capacity slots, budget ledger, dedupe.
+
+The only package that knows the key layout (``state.keys``); every read-modify-write is
+an atomic Lua script (``state/lua/``). See ``state.store.StateStore``.
+"""
+
+from state.keys import Keys
+from state.store import (
+    NANO_PER_USD,
+    BudgetStatus,
+    DedupeEntry,
+    InstanceLive,
+    StateStore,
+    StateUnavailable,
+    Verdict,
+    period_bounds,
+    period_id,
+    usd_to_nano,
+)
+
+__all__ = [
+    "NANO_PER_USD",
+    "BudgetStatus",
+    "DedupeEntry",
+    "InstanceLive",
+    "Keys",
+    "StateStore",
+    "StateUnavailable",
+    "Verdict",
+    "period_bounds",
+    "period_id",
+    "usd_to_nano",
+]

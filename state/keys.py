@@ -1,0 +1,81 @@
+"""The Redis key layout — the only place that spells a key.
+
+Every key starts with the namespace (default ``sy``). Keys that one Lua script touches
+together share a Redis Cluster hash tag, so the scripts run unchanged on a cluster:
+
+=====================================  ======  =================================================
+key                                    type    holds
+=====================================  ======  =================================================
+``sy:inst:{<instance>}:hb``            hash    model, max_concurrency, at (last state write),
+                                               engine_running, engine_waiting; TTL = heartbeat
+``sy:inst:{<instance>}:res``           hash    query id → "prompt,prefilled,decoded,predicted,
+                                               arrived_at" (resident requests)
+``sy:inst:{<instance>}:slots``         zset    query id → last touch (Redis time): capacity held
+``sy:budget:{<tenant>}:<period>``      hash    limit, reserved, spent (integer nano-USD)
+``sy:budget:{<tenant>}:<period>:res``  hash    query id → reserved nano-USD
+``sy:budget:{<tenant>}:<period>:set``  hash    query id → settled nano-USD (settle-once)
+``sy:dedupe:{<query>}``                hash    sha (body SHA-256), routed (instance); TTL
+``sy:result:{<query>}``                string  "1" once a result was published; TTL
+=====================================  ======  =================================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from schemas.cluster import INSTANCE_ID_PATTERN
+from schemas.query import QUERY_ID_PATTERN, TENANT_PATTERN
+
+_INSTANCE = re.compile(INSTANCE_ID_PATTERN)
+_TENANT = re.compile(TENANT_PATTERN)
+_QUERY = re.compile(QUERY_ID_PATTERN)
+_PERIOD = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
+
+
+def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
+    if not isinstance(value, str) or not pattern.match(value):
+        raise ValueError(f"{what} {value!r} must match {pattern.pattern}")
+    return value
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Builds every key; validates ids so a key can never carry a stray hash tag."""
+
+    namespace: str = "sy"
+
+    def __post_init__(self) -> None:
+        _check(_NAMESPACE, self.namespace, "namespace")
+
+    # instance live state: hash tag {instance}
+    def _inst(self, instance_id: str, leaf: str) -> str:
+        return f"{self.namespace}:inst:{{{_check(_INSTANCE, instance_id, 'instance id')}}}:{leaf}"
+
+    def heartbeat(self, instance_id: str) -> str:
+        return self._inst(instance_id, "hb")
+
+    def residents(self, instance_id: str) -> str:
+        return self._inst(instance_id, "res")
+
+    def slots(self, instance_id: str) -> str:
+        return self._inst(instance_id, "slots")
+
+    # budget ledger: hash tag {tenant}
+    def ledger(self, tenant: str, period_id: str) -> tuple[str, str, str]:
+        """(ledger, reservations, settled) keys of one tenant and period."""
+        _check(_TENANT, tenant, "tenant")
+        _check(_PERIOD, period_id, "budget period")
+        base = f"{self.namespace}:budget:{{{tenant}}}:{period_id}"
+        return base, f"{base}:res", f"{base}:set"
+
+    # per query
+    def dedupe(self, query_id: str) -> str:
+        return f"{self.namespace}:dedupe:{{{_check(_QUERY, query_id, 'query id')}}}"
+
+    def result(self, query_id: str) -> str:
+        return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"
+
+    def check_query_id(self, query_id: str) -> str:
+        return _check(_QUERY, query_id, "query id")

@@ -1,0 +1,612 @@
+"""``StateStore``: the service's shared state in Redis (DESIGN.md, "state/").
+
+Workers write instance live state (heartbeats with a TTL, resident requests and their
+token progress); routers read every instance's snapshot in one pipelined round trip and
+reserve capacity slots and budget; result handlers settle the budget ledger.
+
+Every read-modify-write is one Lua script (``state/lua/``), never read-then-write, so any
+number of routers and workers stay correct together. Every script is idempotent per query
+id, so a retry after a lost reply or a re-delivered Kafka message changes nothing twice.
+Money is kept in integer nano-USD: comparisons against a budget are exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Literal, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from schemas import InstanceSnapshot, ResidentRequest
+from state.keys import Keys
+
+T = TypeVar("T")
+
+NANO_PER_USD = 1_000_000_000
+MAX_LEDGER_NANO = (
+    2**53
+)  # exact integers in Lua's doubles: about 9 million USD per tenant and period
+RESIDENTS_KEEP_S = 600.0  # residents of a worker that stopped writing vanish after this
+LEDGER_KEEP_S = 86_400.0  # a ledger period stays readable this long after it ends
+SCRIPTS = (
+    "heartbeat",
+    "resident_add",
+    "resident_progress",
+    "resident_done",
+    "residents_reconcile",
+    "reserve_slots",
+    "reserve_budget",
+    "release_budget",
+    "settle",
+    "dedupe",
+    "mark_routed",
+)
+
+Verdict = Literal["new", "duplicate", "conflict"]
+
+
+class StateUnavailable(RuntimeError):
+    """Redis could not be reached or timed out; callers fall back (LPS estimates, blind budget)."""
+
+
+@dataclass(frozen=True)
+class InstanceLive:
+    """One instance as the router sees it.
+
+    ``snapshot`` is None when there is no live heartbeat (never started, or its TTL ran
+    out): the router then uses LPS estimates. ``age_s`` is ``now - taken_at`` (``inf``
+    without a snapshot); ``slots_used`` counts capacity slots held by routed, unfinished
+    queries (queued in Kafka or running).
+    """
+
+    instance_id: str
+    snapshot: InstanceSnapshot | None
+    slots_used: int
+    alive: bool
+    age_s: float
+    max_concurrency: int | None = None
+    engine_running: int | None = None  # as the engine itself reports (vLLM /metrics)
+    engine_waiting: int | None = None
+
+    def free_slots(self, max_slots: int) -> int:
+        return max(0, max_slots - self.slots_used)
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """One tenant's ledger for one period. ``limit_usd`` is None until a reservation set it."""
+
+    tenant: str
+    period_id: str
+    limit_usd: float | None
+    reserved_usd: float
+    spent_usd: float
+    n_reserved: int = 0
+    n_settled: int = 0
+
+    @property
+    def committed_usd(self) -> float:
+        return self.reserved_usd + self.spent_usd
+
+    def remaining_usd(self, limit_usd: float | None = None) -> float:
+        """``limit - reserved - spent`` (never negative), for ``limit_usd`` or the stored limit."""
+        limit = self.limit_usd if limit_usd is None else limit_usd
+        if limit is None:
+            raise ValueError(
+                f"tenant {self.tenant!r} period {self.period_id!r} has no stored limit; pass limit_usd"
+            )
+        return max(0.0, limit - self.committed_usd)
+
+
+@dataclass(frozen=True)
+class DedupeEntry:
+    body_sha256: str
+    routed_to: str | None
+
+
+def period_id(now_s: float, period_s: float) -> str:
+    """Ledger period containing ``now_s``: ``"<period_s>s-<index>"``, e.g. ``"86400s-20421"``."""
+    if not math.isfinite(period_s) or period_s <= 0:
+        raise ValueError(f"period_s must be a finite number > 0, got {period_s}")
+    if not math.isfinite(now_s) or now_s < 0:
+        raise ValueError(f"now_s must be a finite number >= 0, got {now_s}")
+    length = str(int(period_s)) if float(period_s).is_integer() else f"{period_s:.6f}".rstrip("0")
+    return f"{length}s-{int(now_s // period_s)}"
+
+
+def period_bounds(period: str) -> tuple[float, float] | None:
+    """(start_s, end_s) of a ``period_id`` string, None for a free-form period name."""
+    length, sep, index = period.partition("s-")
+    if not sep or not index.isdigit():
+        return None
+    try:
+        p = float(length)
+    except ValueError:
+        return None
+    if not math.isfinite(p) or p <= 0:
+        return None
+    return int(index) * p, (int(index) + 1) * p
+
+
+def usd_to_nano(usd: float, what: str, *, round_up: bool = True) -> int:
+    """USD → integer nano-USD; reservations round up so rounding never lets spend through."""
+    if not isinstance(usd, int | float) or not math.isfinite(usd) or usd < 0:
+        raise ValueError(f"{what} must be a finite number >= 0 USD, got {usd!r}")
+    scaled = usd * NANO_PER_USD
+    nano = math.ceil(scaled - 1e-6) if round_up else math.floor(scaled + 1e-6)
+    nano = max(0, nano)
+    if nano > MAX_LEDGER_NANO:
+        raise ValueError(
+            f"{what} = {usd} USD is over the ledger's cap of {MAX_LEDGER_NANO / NANO_PER_USD:.0f} USD"
+        )
+    return nano
+
+
+def _seconds_ms(value: float, what: str) -> int:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value}")
+    return max(1, int(value * 1000))
+
+
+def _count(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _encode_resident(r: ResidentRequest) -> str:
+    return f"{r.prompt_tokens},{r.prefilled_tokens},{r.decoded_tokens},{r.predicted_output_tokens},{r.arrived_at!r}"
+
+
+def _decode_resident(query_id: str, text: str) -> ResidentRequest | None:
+    """Parse one resident record; a malformed one is skipped rather than failing the snapshot."""
+    try:
+        p, f, d, o, a = text.split(",")
+        prompt, prefilled, decoded = max(0, int(p)), max(0, int(f)), max(0, int(d))
+        predicted, arrived = max(1, int(o)), max(0.0, float(a))
+    except ValueError:
+        return None
+    prefilled = min(prefilled, prompt)
+    if decoded > 0:
+        prefilled = prompt
+    # fields are sanitised above; skip pydantic validation on the router's hot path
+    return ResidentRequest.model_construct(
+        query_id=query_id,
+        prompt_tokens=prompt,
+        prefilled_tokens=prefilled,
+        decoded_tokens=decoded,
+        predicted_output_tokens=predicted,
+        arrived_at=arrived,
+    )
+
+
+def _opt_int(value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        return None
+
+
+class StateStore:
+    """Async access to Switchyard's Redis state; one per process, safe to share across tasks."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, display_url: str) -> None:
+        self._r = client
+        self.keys = keys
+        self.display_url = display_url
+        self._scripts: dict[str, AsyncScript] = {
+            name: client.register_script(
+                resources.files("state").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+            )
+            for name in SCRIPTS
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        password: str | None = None,
+        tls_ca_file: str | None = None,
+        namespace: str = "sy",
+        max_connections: int = 64,
+        socket_timeout_s: float = 10.0,
+    ) -> StateStore:
+        """Connect and check with PING; raise ``StateUnavailable`` naming the (password-free) URL."""
+        from switchyard.settings import redact_url
+
+        display = redact_url(url)
+        kwargs: dict[str, Any] = {
+            "decode_responses": True,
+            "max_connections": max_connections,
+            "timeout": socket_timeout_s,  # wait for a free pooled connection
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": min(5.0, socket_timeout_s),
+            "health_check_interval": 30,
+        }
+        if password is not None:
+            kwargs["password"] = password
+        if tls_ca_file:
+            if not url.startswith("rediss://"):
+                raise ValueError(f"a Redis TLS CA file needs a rediss:// URL, got {display}")
+            kwargs["ssl_ca_certs"] = tls_ca_file
+        pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
+        client = aioredis.Redis(connection_pool=pool)
+        store = cls(client, Keys(namespace), display)
+        try:
+            await store._call("connect", client.ping())
+        except BaseException:
+            await client.aclose(close_connection_pool=True)
+            raise
+        return store
+
+    async def close(self) -> None:
+        await self._r.aclose(close_connection_pool=True)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._r.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def _call(self, op: str, awaitable: Awaitable[T]) -> T:
+        try:
+            return await awaitable
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StateUnavailable(
+                f"Redis at {self.display_url} unavailable during {op}: {exc}"
+            ) from exc
+
+    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return await self._call(name, self._scripts[name](keys=list(keys), args=list(args)))
+
+    # ------------------------------------------------------------------ worker writes
+
+    async def heartbeat(
+        self,
+        instance_id: str,
+        model: str,
+        ttl_s: float,
+        max_concurrency: int,
+        *,
+        engine_running: int | None = None,
+        engine_waiting: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Mark the instance alive for ``ttl_s``; refresh its residents and their slots' leases."""
+        ttl_ms = _seconds_ms(ttl_s, "heartbeat ttl_s")
+        _count(max_concurrency, "max_concurrency")
+        keep_ms = _seconds_ms(max(RESIDENTS_KEEP_S, 10 * ttl_s), "residents keep")
+        k = self.keys
+        await self._script(
+            "heartbeat",
+            [k.heartbeat(instance_id), k.residents(instance_id), k.slots(instance_id)],
+            [
+                model,
+                max_concurrency,
+                repr(time.time() if now is None else now),
+                ttl_ms,
+                keep_ms,
+                "" if engine_running is None else _count(engine_running, "engine_running"),
+                "" if engine_waiting is None else _count(engine_waiting, "engine_waiting"),
+            ],
+        )
+
+    async def resident_add(
+        self, instance_id: str, r: ResidentRequest, *, now: float | None = None
+    ) -> None:
+        k = self.keys
+        await self._script(
+            "resident_add",
+            [k.heartbeat(instance_id), k.residents(instance_id), k.slots(instance_id)],
+            [
+                r.query_id,
+                _encode_resident(r),
+                repr(time.time() if now is None else now),
+                int(RESIDENTS_KEEP_S * 1000),
+            ],
+        )
+
+    async def resident_progress(
+        self,
+        instance_id: str,
+        query_id: str,
+        prefilled_tokens: int,
+        decoded_tokens: int,
+        *,
+        now: float | None = None,
+    ) -> None:
+        """Update token counts; a no-op when the resident is gone (``resident_done`` won a race)."""
+        k = self.keys
+        await self._script(
+            "resident_progress",
+            [k.heartbeat(instance_id), k.residents(instance_id)],
+            [
+                k.check_query_id(query_id),
+                _count(prefilled_tokens, "prefilled_tokens"),
+                _count(decoded_tokens, "decoded_tokens"),
+                repr(time.time() if now is None else now),
+            ],
+        )
+
+    async def resident_done(
+        self, instance_id: str, query_id: str, *, now: float | None = None
+    ) -> None:
+        """Remove the resident and release its capacity slot. Idempotent."""
+        k = self.keys
+        await self._script(
+            "resident_done",
+            [k.heartbeat(instance_id), k.residents(instance_id), k.slots(instance_id)],
+            [k.check_query_id(query_id), repr(time.time() if now is None else now)],
+        )
+
+    async def residents_reconcile(self, instance_id: str, keep_query_ids: Sequence[str]) -> int:
+        """Drop residents not in ``keep_query_ids`` (what the worker really runs); return how many."""
+        ids = [self.keys.check_query_id(q) for q in keep_query_ids]
+        return int(
+            await self._script("residents_reconcile", [self.keys.residents(instance_id)], ids)
+        )
+
+    async def residents_sync(self, instance_id: str, residents: Sequence[ResidentRequest]) -> None:
+        """Replace the instance's residents with the worker's own view (after Redis lost state)."""
+        k = self.keys
+        key = k.residents(instance_id)
+        pipe: Pipeline = self._r.pipeline(transaction=True)
+        pipe.delete(key)
+        if residents:
+            pipe.hset(key, mapping={r.query_id: _encode_resident(r) for r in residents})
+            pipe.pexpire(key, int(RESIDENTS_KEEP_S * 1000))
+        await self._call("residents_sync", pipe.execute())
+
+    async def residents(self, instance_id: str) -> list[ResidentRequest]:
+        """The instance's residents in arrival order (also for tests and the CLI)."""
+        raw = await self._call("residents", self._r.hgetall(self.keys.residents(instance_id)))
+        return _residents_of(cast(dict[str, str], raw))
+
+    # ------------------------------------------------------------------ router reads
+
+    async def snapshots(self, instance_ids: Sequence[str], now: float) -> dict[str, InstanceLive]:
+        """Every instance's live state in one pipelined round trip."""
+        k = self.keys
+        ids = list(dict.fromkeys(instance_ids))
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        for iid in ids:
+            pipe.hgetall(k.heartbeat(iid))
+            pipe.hgetall(k.residents(iid))
+            pipe.zcard(k.slots(iid))
+        replies = await self._call("snapshots", pipe.execute())
+        out: dict[str, InstanceLive] = {}
+        for n, iid in enumerate(ids):
+            hb = cast(dict[str, str], replies[3 * n])
+            res = cast(dict[str, str], replies[3 * n + 1])
+            slots_used = int(replies[3 * n + 2])
+            taken_at = _opt_float(hb.get("at")) if hb else None
+            if not hb or taken_at is None:
+                out[iid] = InstanceLive(iid, None, slots_used, False, math.inf)
+                continue
+            snap = InstanceSnapshot.model_construct(
+                instance_id=iid,
+                model=hb.get("model", ""),
+                taken_at=taken_at,
+                residents=_residents_of(res),
+                healthy=True,
+                source="redis",
+            )
+            out[iid] = InstanceLive(
+                iid,
+                snap,
+                slots_used,
+                True,
+                max(0.0, now - taken_at),
+                max_concurrency=_opt_int(hb.get("max_concurrency")),
+                engine_running=_opt_int(hb.get("engine_running")),
+                engine_waiting=_opt_int(hb.get("engine_waiting")),
+            )
+        return out
+
+    # ------------------------------------------------------------------ dedupe
+
+    async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
+        """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""
+        return (await self.dedupe_ex(query_id, body_sha256, ttl_s))[0]
+
+    async def dedupe_ex(
+        self, query_id: str, body_sha256: str, ttl_s: float
+    ) -> tuple[Verdict, str | None]:
+        """``dedupe`` plus the instance a previous copy was routed to (None: not routed yet).
+
+        A ``duplicate`` that was never marked routed is what a router crash between dedupe
+        and produce leaves behind: route it again (reservations are idempotent per id).
+        """
+        if not body_sha256 or len(body_sha256) > 128:
+            raise ValueError(f"body_sha256 must be a hex digest, got {body_sha256!r}")
+        reply = await self._script(
+            "dedupe",
+            [self.keys.dedupe(query_id)],
+            [body_sha256, _seconds_ms(ttl_s, "dedupe ttl_s")],
+        )
+        verdict, routed = str(reply[0]), str(reply[1])
+        return cast(Verdict, verdict), (routed or None)
+
+    async def mark_routed(self, query_id: str, instance_id: str) -> bool:
+        """Record where a deduped query went (after its routed message was acknowledged)."""
+        self.keys.heartbeat(instance_id)  # validates the id
+        return bool(await self._script("mark_routed", [self.keys.dedupe(query_id)], [instance_id]))
+
+    async def dedupe_entry(self, query_id: str) -> DedupeEntry | None:
+        raw = cast(
+            dict[str, str],
+            await self._call("dedupe_entry", self._r.hgetall(self.keys.dedupe(query_id))),
+        )
+        if not raw or "sha" not in raw:
+            return None
+        return DedupeEntry(raw["sha"], raw.get("routed") or None)
+
+    async def forget(self, query_id: str) -> None:
+        """Drop a query's dedupe entry (its routing failed and it will be retried as new)."""
+        await self._call("forget", self._r.delete(self.keys.dedupe(query_id)))
+
+    # ------------------------------------------------------------------ budget ledger
+
+    def _ledger_expire_at(self, period: str) -> int:
+        bounds = period_bounds(period)
+        if bounds is None:
+            return 0
+        start, end = bounds
+        keep = max(LEDGER_KEEP_S, end - start)
+        # never in the past: a late settle of an old period must not delete its ledger
+        return int(math.ceil(max(end, time.time()) + keep))
+
+    async def reserve_budget(
+        self, tenant: str, period_id: str, limit_usd: float, amounts_usd: Mapping[str, float]
+    ) -> dict[str, bool]:
+        """Reserve each query's predicted cost, in order; accept iff reserved+spent+amount <= limit.
+
+        Atomic (one script). Idempotent per query id: re-reserving a held id returns True and
+        adds nothing; an id already settled returns False (its spend is booked; do not run it again).
+        """
+        keys = self.keys.ledger(tenant, period_id)
+        if not amounts_usd:
+            return {}
+        args: list[Any] = [
+            usd_to_nano(limit_usd, "limit_usd", round_up=False),
+            self._ledger_expire_at(period_id),
+        ]
+        for qid, usd in amounts_usd.items():
+            args += [self.keys.check_query_id(qid), usd_to_nano(usd, f"query {qid}: amount")]
+        reply = await self._script("reserve_budget", keys, args)
+        return {qid: bool(ok) for qid, ok in zip(amounts_usd, reply, strict=True)}
+
+    async def release_budget(self, tenant: str, period_id: str, query_ids: Sequence[str]) -> None:
+        """Give back reservations of queries that will not run. Unknown or settled ids: no-op."""
+        if not query_ids:
+            return
+        ledger, res, _ = self.keys.ledger(tenant, period_id)
+        await self._script(
+            "release_budget", [ledger, res], [self.keys.check_query_id(q) for q in query_ids]
+        )
+
+    async def settle(
+        self, tenant: str, period_id: str, query_id: str, actual_cost_usd: float
+    ) -> bool:
+        """Reserved → spent at the actual cost. Idempotent: a second settle returns False."""
+        keys = self.keys.ledger(tenant, period_id)
+        reply = await self._script(
+            "settle",
+            keys,
+            [
+                self.keys.check_query_id(query_id),
+                usd_to_nano(actual_cost_usd, f"query {query_id}: actual_cost_usd"),
+                self._ledger_expire_at(period_id),
+            ],
+        )
+        return bool(reply)
+
+    async def budget_status(self, tenant: str, period_id: str) -> BudgetStatus:
+        ledger, res, settled = self.keys.ledger(tenant, period_id)
+        pipe: Pipeline = self._r.pipeline(transaction=True)
+        pipe.hgetall(ledger)
+        pipe.hlen(res)
+        pipe.hlen(settled)
+        raw, n_res, n_set = await self._call("budget_status", pipe.execute())
+        raw = cast(dict[str, str], raw)
+        limit = raw.get("limit")
+        return BudgetStatus(
+            tenant=tenant,
+            period_id=period_id,
+            limit_usd=int(limit) / NANO_PER_USD if limit is not None else None,
+            reserved_usd=int(raw.get("reserved", 0)) / NANO_PER_USD,
+            spent_usd=int(raw.get("spent", 0)) / NANO_PER_USD,
+            n_reserved=int(n_res),
+            n_settled=int(n_set),
+        )
+
+    # ------------------------------------------------------------------ capacity slots
+
+    async def reserve_slots(
+        self,
+        instance_id: str,
+        max_slots: int,
+        query_ids: Sequence[str],
+        *,
+        lease_s: float | None = None,
+    ) -> list[bool]:
+        """Hold one slot per query id while fewer than ``max_slots`` are held. Atomic; idempotent per id.
+
+        ``lease_s``: slots not touched for that long (no resident progress, no heartbeat
+        while resident) are reclaimed first, so a query lost before reaching its worker
+        cannot leak capacity forever. None keeps slots until released.
+        """
+        _count(max_slots, "max_slots")
+        if not query_ids:
+            return []
+        lease = 0.0 if lease_s is None else float(lease_s)
+        if not math.isfinite(lease) or lease < 0:
+            raise ValueError(f"lease_s must be a finite number >= 0, got {lease_s}")
+        ids = [self.keys.check_query_id(q) for q in query_ids]
+        reply = await self._script(
+            "reserve_slots", [self.keys.slots(instance_id)], [max_slots, repr(lease), *ids]
+        )
+        return [bool(x) for x in reply]
+
+    async def release_slots(self, instance_id: str, query_ids: Sequence[str]) -> None:
+        if not query_ids:
+            return
+        ids = [self.keys.check_query_id(q) for q in query_ids]
+        await self._call("release_slots", self._r.zrem(self.keys.slots(instance_id), *ids))
+
+    async def slots_held(self, instance_id: str) -> list[str]:
+        return cast(
+            list[str],
+            await self._call("slots_held", self._r.zrange(self.keys.slots(instance_id), 0, -1)),
+        )
+
+    # ------------------------------------------------------------------ results
+
+    async def mark_result(self, query_id: str, ttl_s: float) -> bool:
+        """True the first time a result for this id is marked published; False for a duplicate."""
+        ok = await self._call(
+            "mark_result",
+            self._r.set(
+                self.keys.result(query_id), "1", nx=True, px=_seconds_ms(ttl_s, "result ttl_s")
+            ),
+        )
+        return bool(ok)
+
+    async def has_result(self, query_id: str) -> bool:
+        return bool(await self._call("has_result", self._r.exists(self.keys.result(query_id))))
+
+    # ------------------------------------------------------------------ maintenance
+
+    async def reset_instance(self, instance_id: str) -> None:
+        """Forget an instance's residents (a worker restarting: its work is re-delivered by Kafka)."""
+        await self._call("reset_instance", self._r.delete(self.keys.residents(instance_id)))
+
+
+def _opt_float(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except ValueError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _residents_of(raw: Mapping[str, str]) -> list[ResidentRequest]:
+    rs = [r for qid, text in raw.items() if (r := _decode_resident(qid, text)) is not None]
+    rs.sort(key=lambda r: (r.arrived_at, r.query_id))
+    return rs

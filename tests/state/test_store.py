@@ -1,0 +1,295 @@
+"""StateStore against the real Redis: atomic reservations under concurrency, idempotency,
+settle-once, heartbeat TTL expiry, dedupe verdicts, resident-state transitions."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from schemas import ResidentRequest
+from state import NANO_PER_USD, StateStore, StateUnavailable, period_id
+
+pytestmark = pytest.mark.integration
+
+N_CONNECTIONS = 4
+
+
+def _ns() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+async def stores(redis_url: str) -> AsyncIterator[list[StateStore]]:
+    """Several independent connections (as several routers/workers would have) on one namespace."""
+    ns = _ns()
+    opened = [await StateStore.connect(redis_url, namespace=ns) for _ in range(N_CONNECTIONS)]
+    yield opened
+    for s in opened:
+        await s.close()
+
+
+async def test_concurrent_budget_reservations_never_exceed_limit(stores: list[StateStore]) -> None:
+    rng = random.Random(7)
+    limit = 1.0
+    period = period_id(1_700_000_000, 3600)
+    # 600 reservation calls of 1..5 queries each, amounts 1..10 cents: ~10x over the limit
+    calls: list[dict[str, float]] = []
+    n = 0
+    for _ in range(600):
+        batch = {}
+        for _ in range(rng.randint(1, 5)):
+            batch[f"q{n}"] = rng.randint(1, 10) / 100
+            n += 1
+        calls.append(batch)
+    replies = await asyncio.gather(
+        *(
+            stores[i % N_CONNECTIONS].reserve_budget("acme", period, limit, c)
+            for i, c in enumerate(calls)
+        )
+    )
+    accepted = {q: calls[i][q] for i, r in enumerate(replies) for q, ok in r.items() if ok}
+    status = await stores[0].budget_status("acme", period)
+    total_nano = sum(round(a * NANO_PER_USD) for a in accepted.values())
+    assert total_nano <= limit * NANO_PER_USD
+    assert status.reserved_usd == pytest.approx(total_nano / NANO_PER_USD, abs=1e-9)
+    assert status.reserved_usd <= limit
+    assert status.n_reserved == len(accepted)
+    # the ledger is packed: whatever was refused would not have fitted at the end
+    smallest_refused = min(a for c in calls for q, a in c.items() if q not in accepted)
+    assert status.reserved_usd + smallest_refused > limit - 1e-9
+
+
+async def test_concurrent_slot_reservations_never_exceed_capacity(stores: list[StateStore]) -> None:
+    max_slots = 17
+    ids = [f"q{i}" for i in range(400)]
+    replies = await asyncio.gather(
+        *(
+            stores[i % N_CONNECTIONS].reserve_slots("gpu-a", max_slots, [qid])
+            for i, qid in enumerate(ids)
+        )
+    )
+    granted = [qid for qid, r in zip(ids, replies, strict=True) if r == [True]]
+    assert len(granted) == max_slots
+    live = await stores[1].snapshots(["gpu-a"], now=0.0)
+    assert live["gpu-a"].slots_used == max_slots
+    assert sorted(await stores[0].slots_held("gpu-a")) == sorted(granted)
+    # releasing five lets exactly five more in, whoever asks
+    await stores[2].release_slots("gpu-a", granted[:5])
+    more = await asyncio.gather(
+        *(s.reserve_slots("gpu-a", max_slots, ids[200:260]) for s in stores)
+    )
+    newly = {qid for r in more for qid, ok in zip(ids[200:260], r, strict=True) if ok} - set(
+        granted
+    )
+    assert len(newly) == 5
+    assert (await stores[0].snapshots(["gpu-a"], now=0.0))["gpu-a"].slots_used == max_slots
+
+
+async def test_slot_reservation_is_idempotent_and_ordered(stores: list[StateStore]) -> None:
+    s = stores[0]
+    assert await s.reserve_slots("i1", 2, ["a", "b", "c"]) == [True, True, False]
+    assert await s.reserve_slots("i1", 2, ["a", "b", "a"]) == [True, True, True]
+    await s.resident_done("i1", "a")  # a worker finishing releases the slot
+    await s.resident_done("i1", "a")  # idempotent
+    assert await s.reserve_slots("i1", 2, ["c", "d"]) == [True, False]
+
+
+async def test_slot_lease_reclaims_untouched_slots(stores: list[StateStore]) -> None:
+    s = stores[0]
+    assert await s.reserve_slots("i2", 1, ["old"]) == [True]
+    assert await s.reserve_slots("i2", 1, ["new"], lease_s=3600) == [False]
+    await asyncio.sleep(0.05)
+    assert await s.reserve_slots("i2", 1, ["new"], lease_s=0.01) == [True]
+    assert await s.slots_held("i2") == ["new"]
+
+
+async def test_budget_reservation_idempotent_and_settle_once(stores: list[StateStore]) -> None:
+    s, other = stores[0], stores[1]
+    p = period_id(1_700_000_000, 86_400)
+    assert await s.reserve_budget("t1", p, 1.0, {"a": 0.4, "b": 0.4, "c": 0.4}) == {
+        "a": True,
+        "b": True,
+        "c": False,
+    }
+    # re-reserving accepted ids adds nothing, even with other amounts, from another connection
+    assert await other.reserve_budget("t1", p, 1.0, {"a": 0.9, "b": 0.4}) == {"a": True, "b": True}
+    st = await s.budget_status("t1", p)
+    assert (st.limit_usd, st.reserved_usd, st.spent_usd) == (1.0, pytest.approx(0.8), 0.0)
+    # settle at the actual cost: reservation released, spend booked, exactly once
+    results = await asyncio.gather(*(x.settle("t1", p, "a", 0.25) for x in stores))
+    assert sorted(results) == [False, False, False, True]
+    st = await s.budget_status("t1", p)
+    assert st.reserved_usd == pytest.approx(0.4)
+    assert st.spent_usd == pytest.approx(0.25)
+    assert st.remaining_usd() == pytest.approx(0.35)
+    # a settled id cannot be reserved again (its spend is booked)
+    assert await s.reserve_budget("t1", p, 1.0, {"a": 0.01}) == {"a": False}
+    # release gives back only what is still reserved; unknown and settled ids are no-ops
+    await s.release_budget("t1", p, ["b", "a", "zzz"])
+    st = await s.budget_status("t1", p)
+    assert (st.reserved_usd, st.spent_usd) == (0.0, pytest.approx(0.25))
+    assert await s.reserve_budget("t1", p, 1.0, {"c": 0.75}) == {"c": True}
+    assert await s.reserve_budget("t1", p, 1.0, {"d": 1e-9}) == {"d": False}  # exactly full
+    # a settle without a reservation (e.g. reserved while Redis was down) still books the spend
+    assert await s.settle("t1", p, "walk-in", 0.5) is True
+    assert (await s.budget_status("t1", p)).spent_usd == pytest.approx(0.75)
+
+
+async def test_concurrent_reserve_and_settle_keep_the_ledger_consistent(
+    stores: list[StateStore],
+) -> None:
+    p = "free-form-period"
+    ids = [f"q{i}" for i in range(300)]
+    await asyncio.gather(
+        *(stores[i % 4].reserve_budget("t2", p, 100.0, {q: 0.1}) for i, q in enumerate(ids))
+    )
+    await asyncio.gather(
+        *(stores[(i + 1) % 4].settle("t2", p, q, 0.05) for i, q in enumerate(ids)),
+        *(stores[(i + 2) % 4].settle("t2", p, q, 0.05) for i, q in enumerate(ids)),
+    )
+    st = await stores[0].budget_status("t2", p)
+    assert st.reserved_usd == 0.0
+    assert st.spent_usd == pytest.approx(15.0)
+    assert (st.n_reserved, st.n_settled) == (0, 300)
+
+
+async def test_bad_amounts_are_refused_with_a_clear_error(stores: list[StateStore]) -> None:
+    s = stores[0]
+    with pytest.raises(ValueError, match="query q1: amount must be a finite number >= 0"):
+        await s.reserve_budget("t3", "p", 1.0, {"q1": float("nan")})
+    with pytest.raises(ValueError, match="query q1: amount must be a finite number >= 0"):
+        await s.reserve_budget("t3", "p", 1.0, {"q1": -1.0})
+    with pytest.raises(ValueError, match="tenant 'bad tenant'"):
+        await s.reserve_budget("bad tenant", "p", 1.0, {"q1": 1.0})
+    with pytest.raises(ValueError, match="instance id 'a}b'"):
+        await s.reserve_slots("a}b", 1, ["q"])
+    with pytest.raises(ValueError, match="over the ledger's cap"):
+        await s.reserve_budget("t3", "p", 1e12, {"q1": 1.0})
+
+
+async def test_heartbeat_ttl_expiry_and_snapshot_age(stores: list[StateStore]) -> None:
+    s = stores[0]
+    await s.heartbeat("w1", "llama", ttl_s=0.3, max_concurrency=8, now=1000.0, engine_running=2)
+    await s.heartbeat("w2", "mistral", ttl_s=30, max_concurrency=4, now=1000.0)
+    live = await stores[1].snapshots(["w1", "w2", "never"], now=1002.5)
+    assert live["w1"].alive and live["w1"].snapshot is not None
+    assert live["w1"].snapshot.model == "llama"
+    assert live["w1"].age_s == pytest.approx(2.5)
+    assert live["w1"].max_concurrency == 8 and live["w1"].engine_running == 2
+    assert (
+        live["never"].snapshot is None
+        and not live["never"].alive
+        and live["never"].age_s == float("inf")
+    )
+    await asyncio.sleep(0.5)
+    live = await stores[1].snapshots(["w1", "w2"], now=1003.0)
+    assert not live["w1"].alive and live["w1"].snapshot is None
+    assert live["w2"].alive
+    # a state write after expiry does not resurrect a dead instance
+    await s.resident_add("w1", ResidentRequest(query_id="x", prompt_tokens=5))
+    assert not (await s.snapshots(["w1"], now=1003.0))["w1"].alive
+
+
+async def test_resident_transitions_and_snapshot(stores: list[StateStore]) -> None:
+    s, router = stores[0], stores[1]
+    await s.heartbeat("w", "m", ttl_s=30, max_concurrency=4, now=100.0)
+    await s.resident_add(
+        "w", ResidentRequest(query_id="b", prompt_tokens=50, arrived_at=2.0), now=101.0
+    )
+    await s.resident_add(
+        "w",
+        ResidentRequest(
+            query_id="a", prompt_tokens=100, predicted_output_tokens=20, arrived_at=1.0
+        ),
+        now=102.0,
+    )
+    snap = (await router.snapshots(["w"], now=103.0))["w"].snapshot
+    assert snap is not None and snap.taken_at == 102.0
+    assert [r.query_id for r in snap.residents] == ["a", "b"]  # arrival order
+    assert snap.residents[0].prefilled_tokens == 0  # queued
+    await s.resident_progress("w", "a", prefilled_tokens=64, decoded_tokens=0, now=104.0)
+    snap = (await router.snapshots(["w"], now=104.0))["w"].snapshot
+    assert snap is not None and (
+        snap.residents[0].prefilled_tokens,
+        snap.residents[0].decoded_tokens,
+    ) == (64, 0)
+    await s.resident_progress("w", "a", prefilled_tokens=100, decoded_tokens=7, now=105.0)
+    await s.resident_progress(
+        "w", "b", prefilled_tokens=80, decoded_tokens=0, now=105.0
+    )  # clamped to prompt
+    snap = (await router.snapshots(["w"], now=105.0))["w"].snapshot
+    assert snap is not None
+    a, b = snap.residents
+    assert (a.prefilled_tokens, a.decoded_tokens, a.predicted_output_tokens) == (100, 7, 20)
+    assert b.prefilled_tokens == 50
+    await s.resident_done("w", "a", now=106.0)
+    await s.resident_progress("w", "a", 100, 9)  # a late update after done is ignored
+    snap = (await router.snapshots(["w"], now=106.0))["w"].snapshot
+    assert (
+        snap is not None
+        and [r.query_id for r in snap.residents] == ["b"]
+        and snap.taken_at == 106.0
+    )
+    assert await s.residents_reconcile("w", keep_query_ids=[]) == 1
+    await s.residents_sync(
+        "w", [ResidentRequest(query_id="c", prompt_tokens=3, prefilled_tokens=3, decoded_tokens=1)]
+    )
+    assert [r.query_id for r in await s.residents("w")] == ["c"]
+
+
+async def test_dedupe_verdicts(stores: list[StateStore]) -> None:
+    s = stores[0]
+    body = hashlib.sha256(b'{"id":"q1"}').hexdigest()
+    other = hashlib.sha256(b'{"id":"q1","x":1}').hexdigest()
+    verdicts = await asyncio.gather(*(x.dedupe("q1", body, ttl_s=60) for x in stores * 25))
+    assert verdicts.count("new") == 1 and verdicts.count("duplicate") == 99
+    assert await s.dedupe("q1", other, ttl_s=60) == "conflict"
+    assert await s.dedupe_ex("q1", body, ttl_s=60) == ("duplicate", None)
+    assert await s.mark_routed("q1", "gpu-1")
+    assert await s.dedupe_ex("q1", body, ttl_s=60) == ("duplicate", "gpu-1")
+    await s.forget("q1")
+    assert await s.dedupe("q1", other, ttl_s=0.2) == "new"
+    await asyncio.sleep(0.35)
+    assert await s.dedupe("q1", body, ttl_s=60) == "new"  # expired
+    assert not await s.mark_routed("never-seen", "gpu-1")
+
+
+async def test_mark_result_first_time_only(stores: list[StateStore]) -> None:
+    firsts = await asyncio.gather(*(x.mark_result("r1", ttl_s=60) for x in stores * 10))
+    assert firsts.count(True) == 1
+    assert await stores[0].has_result("r1") and not await stores[0].has_result("r2")
+
+
+async def test_namespaces_are_isolated(redis_url: str) -> None:
+    a = await StateStore.connect(redis_url, namespace=_ns())
+    b = await StateStore.connect(redis_url, namespace=_ns())
+    try:
+        assert await a.reserve_slots("i", 1, ["q"]) == [True]
+        assert await b.reserve_slots("i", 1, ["q2"]) == [True]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_unreachable_redis_raises_state_unavailable() -> None:
+    from switchyard.services import free_port
+
+    with pytest.raises(
+        StateUnavailable, match=r"Redis at redis://127\.0\.0\.1:\d+/0 unavailable during connect"
+    ):
+        await StateStore.connect(f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=1.0)
+
+
+async def test_password_never_in_error(redis_url: str) -> None:
+    from switchyard.services import free_port
+
+    with pytest.raises(StateUnavailable) as info:
+        await StateStore.connect(
+            f"redis://:hunter2@127.0.0.1:{free_port()}/0", socket_timeout_s=1.0
+        )
+    assert "hunter2" not in str(info.value)
