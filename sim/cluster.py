@@ -1,0 +1,323 @@
+"""A simulated cluster per ``schemas.ClusterConfig`` (DESIGN.md "One decision core, two worlds").
+
+- Open-weight models (``kind: local``) run on simulated vLLM instances (``sim.engine.SimEngine``),
+  one per ``InstanceSpec``, each priced by a step-time source built from the model's
+  ``profile`` or explicit ``step_time`` (paper A, Eq. 9) and scheduled by its ``scheduler``.
+  Routers see their live state (``InstanceView.state``) and run SFS on it.
+- Proprietary models (``kind: cloud``) are endpoints with no live state: routers see
+  ``state=None`` and the recent arrival rate, and fall back to paper A's LPS average case.
+  The endpoint itself is a simple model: at most ``max_concurrency`` requests in service,
+  the rest wait FIFO; a request's admission is also paced by ``rate_limit_rps``; its first
+  token comes a network overhead plus a lone prefill (Eq. 9 of its profile) after it enters
+  service, with seeded log-normal noise; it holds its slot until its last token.
+
+Pure: virtual time only, deterministic given ``seed``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from routing.steptime import StepTimeModel
+from routing.types import InstanceState, InstanceView
+from schemas import ClusterConfig, ModelSpec
+from sim.engine import SimEngine
+from sim.timing import LinearTiming, TimingSource
+
+DEFAULT_CLOUD_STEP = StepTimeModel(
+    c0_ms=12.0, c1_ms_per_token=0.02, c2_ms_per_ctx_token=2e-5, c3_ms_per_attn_unit=2e-7
+)
+"""A large model on a provider's GPUs when the config gives no profile (≈ 35 ms for a
+1,000-token prefill, ≈ 12 ms per output token)."""
+
+RATE_WINDOW_S = 60.0
+"""Look-back of the arrival-rate estimate that routers get for LPS."""
+
+
+class ClusterError(ValueError):
+    """A cluster that cannot be simulated; the message names the model or instance."""
+
+
+def _profile_model(name: str) -> StepTimeModel:
+    """Eq. 9 coefficients of a named profile (``routing.profiles``)."""
+    try:
+        from routing import profiles  # type: ignore[attr-defined]
+    except ImportError as exc:  # pragma: no cover - depends on the SFS issue landing
+        raise ClusterError(f"profile {name!r}: routing.profiles is not available ({exc})") from exc
+    prof = profiles.load_profile(name)
+    coef = getattr(prof, "coefficients", None) or getattr(prof, "step_time", None) or prof
+    if isinstance(coef, StepTimeModel):
+        return coef
+    if hasattr(coef, "to_coefficients") or hasattr(coef, "c0_ms"):
+        return StepTimeModel(
+            float(coef.c0_ms),
+            float(coef.c1_ms_per_token),
+            float(coef.c2_ms_per_ctx_token),
+            float(coef.c3_ms_per_attn_unit),
+        )
+    raise ClusterError(
+        f"profile {name!r}: cannot read step-time coefficients from {type(prof).__name__}"
+    )
+
+
+def step_model_of(spec: ModelSpec) -> StepTimeModel | None:
+    """The Eq. 9 model of a model spec: explicit coefficients win over the profile."""
+    if spec.step_time is not None:
+        return StepTimeModel.from_coefficients(spec.step_time)
+    if spec.profile is not None:
+        return _profile_model(spec.profile)
+    return None
+
+
+def default_timing(spec: ModelSpec, noise_sigma: float) -> TimingSource:
+    """The engine's timing source: the profile's measured table when the SFS issue ships
+    one (so the engine is not the model SFS uses), else Eq. 9 with noise."""
+    if spec.step_time is None and spec.profile is not None:
+        try:
+            from routing import profiles  # type: ignore[attr-defined]
+
+            table = getattr(profiles, "load_table_timing", None)
+            if table is not None:
+                timing: TimingSource = table(spec.profile)
+                with_noise = getattr(timing, "with_noise", None)
+                return with_noise(noise_sigma) if (with_noise and noise_sigma > 0) else timing
+        except ImportError:  # pragma: no cover
+            pass
+    model = step_model_of(spec)
+    if model is None:
+        raise ClusterError(f"model {spec.name!r} is local but has neither step_time nor profile")
+    return LinearTiming(model, noise_sigma)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One request as served: where, when its first token came, when it finished."""
+
+    request_id: str
+    instance_id: str
+    arrival_s: float
+    submit_s: float
+    first_token_s: float
+    finish_s: float
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.first_token_s - self.arrival_s) * 1000.0
+
+
+@dataclass
+class CloudEndpoint:
+    """A provider endpoint with no live state (see the module docstring)."""
+
+    instance_id: str
+    model: str
+    step: StepTimeModel
+    max_concurrency: int
+    rate_limit_rps: float | None
+    network_ms: float = 150.0
+    noise_sigma: float = 0.15
+    seed: int = 0
+    _slots: list[float] = field(default_factory=list)  # heap of finish times of requests in service
+    _next_admit_s: float = 0.0
+    _rng: np.random.Generator = field(init=False)
+    _inflight: list[float] = field(default_factory=list)  # heap of finish times, for free slots
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def serve(
+        self,
+        request_id: str,
+        arrival_s: float,
+        submit_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> Completion:
+        start = submit_s
+        if self.rate_limit_rps is not None:
+            start = max(start, self._next_admit_s)
+            self._next_admit_s = start + 1.0 / self.rate_limit_rps
+        while self._slots and self._slots[0] <= start:
+            heapq.heappop(self._slots)
+        if len(self._slots) >= self.max_concurrency:
+            start = max(start, heapq.heappop(self._slots))
+        noise = (
+            float(self._rng.lognormal(-(self.noise_sigma**2) / 2, self.noise_sigma))
+            if self.noise_sigma
+            else 1.0
+        )
+        prefill_ms = float(self.step.prefill_ms(prompt_tokens)) * noise
+        first = start + (self.network_ms + prefill_ms) / 1000.0
+        tpot_ms = float(self.step.step_ms(1, prompt_tokens + output_tokens / 2.0))
+        finish = first + max(output_tokens - 1, 0) * tpot_ms / 1000.0
+        heapq.heappush(self._slots, finish)
+        heapq.heappush(self._inflight, finish)
+        return Completion(request_id, self.instance_id, arrival_s, submit_s, first, finish)
+
+    def in_flight(self, now: float) -> int:
+        while self._inflight and self._inflight[0] <= now:
+            heapq.heappop(self._inflight)
+        return len(self._inflight)
+
+
+class SimCluster:
+    """Every instance of a ``ClusterConfig`` in one virtual clock."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        seed: int = 0,
+        noise_sigma: float = 0.05,
+        oracle_lengths: bool = False,
+        timing_factory: Callable[[ModelSpec, float], TimingSource] = default_timing,
+    ) -> None:
+        self.config = config
+        self.oracle_lengths = oracle_lengths
+        self.instance_ids = [inst.id for inst in config.instances]
+        self.models = [inst.model for inst in config.instances]
+        self.specs = {m.name: m for m in config.models}
+        self.engines: dict[str, SimEngine] = {}
+        self.clouds: dict[str, CloudEndpoint] = {}
+        timings: dict[str, TimingSource] = {}
+        for k, inst in enumerate(config.instances):
+            spec = self.specs[inst.model]
+            sub_seed = int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
+            if spec.kind == "local":
+                if spec.name not in timings:
+                    timings[spec.name] = timing_factory(spec, noise_sigma)
+                self.engines[inst.id] = SimEngine(
+                    timings[spec.name],
+                    spec.scheduler,
+                    sub_seed,
+                    instance_id=inst.id,
+                    model=spec.name,
+                )
+            else:
+                step = step_model_of(spec) or DEFAULT_CLOUD_STEP
+                self.clouds[inst.id] = CloudEndpoint(
+                    inst.id,
+                    spec.name,
+                    step,
+                    spec.max_concurrency,
+                    spec.rate_limit_rps,
+                    seed=sub_seed,
+                )
+        self.now = 0.0
+        self._recent: dict[str, deque[float]] = {i: deque() for i in self.instance_ids}
+        self._arrival: dict[str, float] = {}
+        self._submit: dict[str, float] = {}
+        self._where: dict[str, str] = {}
+        self._first: dict[str, float] = {}
+        self.completions: list[Completion] = []
+        self._cloud_pending: list[tuple[float, int, Completion]] = []
+        self._seq = 0
+
+    # ---------------------------------------------------------------- time
+    def advance_to(self, t_s: float) -> list[Completion]:
+        """Run every instance up to ``t_s``; return the requests that finished by then."""
+        if t_s < self.now - 1e-9:
+            raise ClusterError(f"advance_to({t_s}) is before the cluster clock {self.now}")
+        self.now = max(self.now, t_s)
+        done: list[Completion] = []
+        for iid, eng in self.engines.items():
+            for ev in eng.advance_to(self.now):
+                if ev.kind == "first_token":
+                    self._first[ev.request_id] = ev.t_s
+                else:
+                    done.append(self._complete(ev.request_id, iid, ev.t_s))
+        while self._cloud_pending and self._cloud_pending[0][0] <= self.now:
+            done.append(heapq.heappop(self._cloud_pending)[2])
+        self.completions.extend(done)
+        return done
+
+    def _complete(self, rid: str, iid: str, finish_s: float) -> Completion:
+        first = self._first.pop(rid, finish_s)
+        return Completion(rid, iid, self._arrival.pop(rid), self._submit.pop(rid), first, finish_s)
+
+    def drain(self) -> list[Completion]:
+        """Run until every submitted request has finished."""
+        done: list[Completion] = []
+        while True:
+            nxt = [t for t in (e.next_event_s() for e in self.engines.values()) if t is not None]
+            if self._cloud_pending:
+                nxt.append(self._cloud_pending[0][0])
+            if not nxt:
+                return done
+            done.extend(self.advance_to(max(min(nxt), self.now)))
+
+    # -------------------------------------------------------------- inputs
+    def submit(
+        self,
+        request_id: str,
+        instance_id: str,
+        arrival_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        predicted_output_tokens: int | None = None,
+    ) -> None:
+        """Send a request to an instance at the cluster clock (``arrival_s`` is when the
+        user sent it: TTFT is counted from there)."""
+        if request_id in self._where:
+            raise ClusterError(
+                f"request {request_id!r} was already submitted (to {self._where[request_id]})"
+            )
+        rec = self._recent.get(instance_id)
+        if rec is None:
+            raise ClusterError(f"request {request_id!r}: unknown instance {instance_id!r}")
+        self._where[request_id] = instance_id
+        rec.append(self.now)
+        if instance_id in self.engines:
+            self._arrival[request_id] = arrival_s
+            self._submit[request_id] = self.now
+            self.engines[instance_id].submit(
+                request_id,
+                self.now,
+                int(prompt_tokens),
+                int(output_tokens),
+                predicted_output_tokens,
+            )
+        else:
+            c = self.clouds[instance_id].serve(
+                request_id, arrival_s, self.now, int(prompt_tokens), int(output_tokens)
+            )
+            self._seq += 1
+            heapq.heappush(self._cloud_pending, (c.finish_s, self._seq, c))
+
+    # --------------------------------------------------------- observation
+    def rate_per_s(self, instance_id: str) -> float:
+        rec = self._recent[instance_id]
+        while rec and rec[0] < self.now - RATE_WINDOW_S:
+            rec.popleft()
+        span = min(RATE_WINDOW_S, max(self.now, 1e-9))
+        return len(rec) / span
+
+    def views(self) -> list[InstanceView]:
+        """What routers see now, one view per instance in config order."""
+        out: list[InstanceView] = []
+        for iid, model in zip(self.instance_ids, self.models, strict=True):
+            spec = self.specs[model]
+            eng = self.engines.get(iid)
+            if eng is not None:
+                state: InstanceState | None = eng.snapshot(oracle=self.oracle_lengths)
+                free = max(0, spec.max_concurrency - eng.n_resident)
+            else:
+                state = None
+                free = max(0, spec.max_concurrency - self.clouds[iid].in_flight(self.now))
+            out.append(InstanceView(iid, model, state, free, 0.0, self.rate_per_s(iid), False))
+        return out
+
+    def n_in_system(self) -> int:
+        return len(self._where) - len(self.completions)
+
+    @property
+    def local_ids(self) -> Sequence[str]:
+        return list(self.engines)
+
+    def gpus(self) -> int:
+        return sum(self.specs[m].gpus_per_instance for m in self.models)
