@@ -1,0 +1,230 @@
+"""Step-time profiles: Eq. 9 coefficients per ``<model>@<gpu>`` and the measured tables behind them.
+
+A profile (``data/profiles/profiles.json``) holds, per model and GPU:
+
+* ``coefficients``: the Eq. 9 model SFS uses (``c0..c3`` in ms), fitted by NNLS
+  (:func:`routing.steptime.fit_nnls`) on step timings priced by the profile's table;
+* ``table``: the measured-table step time the simulated engine uses (``sim.timing``)::
+
+      t = cpu_ms + cpu_ms_per_seq*n_seqs + dense_ms(N)            (Vidur per-operator tables)
+          + decode_ms_per_seq*n_decode + decode_ms_per_ctx_token*sum ctx   (KV reads)
+          + prefill_ms_per_attn_unit * sum q*(q/2+ctx) * (q + q_half)/q     (prefill attention)
+
+  where ``dense_ms`` is interpolated in Vidur's H100 operator timings and the scalars are
+  calibrated by NNLS against real end-to-end timings (inference-sim vLLM 0.11 runs,
+  Splitwise DGX-H100 measurements) starting from roofline priors;
+* ``fit``: the Eq. 9 fit error against the table and against the real timings.
+
+Loading reads one small JSON file once (cached), so :func:`load_profile` is fast. The
+tables and fits are rebuilt by ``switchyard profiles build`` / ``switchyard profiles refit``
+(source and license of every number: ``data/profiles/README.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.steptime import FitReport, StepTimeModel, attn_units, features, fit_nnls
+
+FloatArray = npt.NDArray[np.float64]
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "data" / "profiles"
+PROFILES_FILE = PROFILES_DIR / "profiles.json"
+
+TABLE_SCALARS = (
+    "cpu_ms",
+    "cpu_ms_per_seq",
+    "decode_ms_per_seq",
+    "decode_ms_per_ctx_token",
+    "prefill_ms_per_attn_unit",
+)
+
+
+@lru_cache(maxsize=4)
+def _read(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"step-time profiles file {p} is missing; it ships with the repository "
+            "(rebuild it with `switchyard profiles build`)"
+        )
+    data: dict[str, Any] = json.loads(p.read_text(encoding="utf-8"))
+    return data
+
+
+def all_profiles(path: Path | None = None) -> dict[str, Any]:
+    """Every profile record, by name (the parsed ``profiles.json``)."""
+    return dict(_read(str(path or PROFILES_FILE))["profiles"])
+
+
+def list_profiles(path: Path | None = None) -> list[str]:
+    """Profile names, lowercase ``<model>@<gpu>``, sorted."""
+    return sorted(all_profiles(path))
+
+
+def profile_record(name: str, path: Path | None = None) -> dict[str, Any]:
+    """The raw record of one profile (coefficients, table, fit errors, provenance)."""
+    profiles = all_profiles(path)
+    key = name.strip().lower()
+    if key not in profiles:
+        raise KeyError(f"unknown step-time profile {name!r}; known: {sorted(profiles)}")
+    rec: dict[str, Any] = profiles[key]
+    return rec
+
+
+def load_profile(name: str, path: Path | None = None) -> StepTimeModel:
+    """The fitted Eq. 9 model of profile ``name`` (e.g. ``codellama-34b-instruct-hf@h100``)."""
+    c = profile_record(name, path)["coefficients"]
+    return StepTimeModel(
+        c0_ms=float(c["c0_ms"]),
+        c1_ms_per_token=float(c["c1_ms_per_token"]),
+        c2_ms_per_ctx_token=float(c["c2_ms_per_ctx_token"]),
+        c3_ms_per_attn_unit=float(c["c3_ms_per_attn_unit"]),
+    )
+
+
+# ---- the measured-table step time (pure; sim.timing.TableTiming evaluates the same) ----------
+
+
+@dataclass(frozen=True)
+class Table:
+    """Parameters of the measured-table step time (see module docstring). Times in ms."""
+
+    dense_tokens: FloatArray
+    dense_ms: FloatArray
+    cpu_ms: float
+    cpu_ms_per_seq: float
+    decode_ms_per_seq: float
+    decode_ms_per_ctx_token: float
+    prefill_ms_per_attn_unit: float
+    prefill_half_eff_tokens: float
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> Table:
+        t = rec["table"]
+        return cls(
+            np.asarray(t["dense_tokens"], dtype=np.float64),
+            np.asarray(t["dense_ms"], dtype=np.float64),
+            *(float(t[k]) for k in TABLE_SCALARS),
+            float(t["prefill_half_eff_tokens"]),
+        )
+
+    def dense(self, n_tokens: npt.ArrayLike) -> FloatArray:
+        return dense_interp(self.dense_tokens, self.dense_ms, n_tokens)
+
+    def step_ms(
+        self,
+        n_tokens: npt.ArrayLike,
+        n_seqs: npt.ArrayLike,
+        n_decode: npt.ArrayLike,
+        decode_ctx: npt.ArrayLike,
+        attn_eff_units: npt.ArrayLike,
+    ) -> FloatArray:
+        """Vectorised over steps; ``attn_eff_units`` from :func:`attn_eff_units`."""
+        t = (
+            self.cpu_ms
+            + self.cpu_ms_per_seq * np.asarray(n_seqs, dtype=np.float64)
+            + self.dense(n_tokens)
+            + self.decode_ms_per_seq * np.asarray(n_decode, dtype=np.float64)
+            + self.decode_ms_per_ctx_token * np.asarray(decode_ctx, dtype=np.float64)
+            + self.prefill_ms_per_attn_unit * np.asarray(attn_eff_units, dtype=np.float64)
+        )
+        return np.asarray(t, dtype=np.float64)
+
+
+def dense_interp(x: FloatArray, y: FloatArray, n_tokens: npt.ArrayLike) -> FloatArray:
+    """Piecewise-linear in the table; beyond its last point, linear with the slope of its
+    upper half (adjacent points are too noisy to extrapolate from)."""
+    n = np.asarray(n_tokens, dtype=np.float64)
+    out = np.interp(n, x, y)
+    h = int(np.searchsorted(x, x[-1] / 2.0))
+    h = min(h, x.size - 2)
+    slope = max((y[-1] - y[h]) / (x[-1] - x[h]), 0.0)
+    return np.asarray(np.where(n > x[-1], y[-1] + slope * (n - x[-1]), out), dtype=np.float64)
+
+
+def attn_eff_units(chunk: npt.ArrayLike, ctx: npt.ArrayLike, half_eff_tokens: float) -> FloatArray:
+    """Prefill attention work divided by kernel efficiency ``q / (q + q_half)``."""
+    q = np.asarray(chunk, dtype=np.float64)
+    return np.asarray(
+        attn_units(q, ctx) * (q + half_eff_tokens) / np.maximum(q, 1e-9), dtype=np.float64
+    )
+
+
+# ---- fitting Eq. 9 on the table -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Design:
+    """Step compositions to fit on: one row per step."""
+
+    n_tokens: FloatArray
+    n_seqs: FloatArray
+    n_decode: FloatArray
+    decode_ctx: FloatArray
+    attn: FloatArray  # sum q(q/2+ctx)
+    attn_eff: FloatArray  # the same divided by kernel efficiency
+
+
+def fit_design(budget_tokens: int, max_seqs: int, half_eff_tokens: float, seed: int = 0) -> Design:
+    """Steps a vLLM instance actually runs: decode-only, prefill-only and mixed batches.
+
+    Decode batches of 1..max_seqs sequences with mean context 64..8192; prefill chunks of
+    16..budget tokens on 0..8192 cached tokens; mixed batches of decodes plus one chunk
+    filling the budget (chunked prefill).
+    """
+    rng = np.random.default_rng(seed)
+    rows: list[tuple[float, float, float, float, float, float]] = []
+
+    def add(decodes: int, ctx_mean: float, chunk: int, chunk_ctx: int) -> None:
+        a = float(attn_units(chunk, chunk_ctx)) if chunk else 0.0
+        ae = float(attn_eff_units(chunk, chunk_ctx, half_eff_tokens)) if chunk else 0.0
+        rows.append(
+            (
+                float(decodes + chunk),
+                float(decodes + (1 if chunk else 0)),
+                float(decodes),
+                float(decodes * ctx_mean),
+                a,
+                ae,
+            )
+        )
+
+    seqs = np.unique(np.geomspace(1, max_seqs, 12).astype(int))
+    for n in seqs:
+        for ctx in (64, 256, 1024, 2048, 4096, 8192):
+            add(int(n), ctx, 0, 0)
+    chunks = np.unique(np.geomspace(16, budget_tokens, 14).astype(int))
+    for q in chunks:
+        for ctx in (0, 512, 2048, 8192):
+            add(0, 0, int(q), ctx)
+    for _ in range(300):
+        n = int(rng.integers(1, max_seqs + 1))
+        ctx_mean = float(rng.uniform(128, 4096))
+        q = max(0, budget_tokens - n) if rng.random() < 0.7 else int(rng.integers(1, budget_tokens))
+        add(n, ctx_mean, min(q, budget_tokens), int(rng.integers(0, 4096)))
+    arr = np.asarray(rows, dtype=np.float64)
+    return Design(*(arr[:, i].copy() for i in range(6)))
+
+
+def fit_on_table(table: Table, design: Design) -> FitReport:
+    """NNLS fit of Eq. 9 to the table-priced steps of ``design`` (relative error)."""
+    t = table.step_ms(
+        design.n_tokens, design.n_seqs, design.n_decode, design.decode_ctx, design.attn_eff
+    )
+    X = features(design.n_tokens, design.decode_ctx, design.attn)
+    return fit_nnls(X, t)
+
+
+def ape(model: StepTimeModel, X: npt.ArrayLike, t_ms: npt.ArrayLike) -> FloatArray:
+    """Absolute percentage errors (fractions) of ``model`` on design rows ``X``."""
+    A = np.asarray(X, dtype=np.float64)
+    y = np.asarray(t_ms, dtype=np.float64)
+    return np.asarray(np.abs(A @ model.coef - y) / y, dtype=np.float64)

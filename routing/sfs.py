@@ -1,0 +1,260 @@
+"""SFS: Serving-Framework-Simulation TTFT estimator (paper A, "SFS estimator", steps 1-5).
+
+Given an instance's live state R_j(t) (resident requests with their progress and predicted
+output lengths) and new queries appended FCFS, simulate the instance's scheduling policy
+(``routing.scheduling``) deterministically and price every simulated batch with Eq. 9
+(``routing.steptime``)::
+
+    TTFT_i = start_delay + sum over simulated steps until query i's first token of
+             c0 + c1*N_tokens + c2*sum ctx_decode + c3*sum q*(q/2 + ctx)
+
+The simulation jumps from one change of batch composition to the next (``Segment``) and sums
+Eq. 9 over each segment in closed form, so its cost grows with the number of requests that
+start or finish ahead of the new queries, not with the number of steps or tokens.
+
+:func:`standalone_ttft_ms` answers "TTFT of each candidate if it alone were appended" for
+many candidates at once: under vLLM V1 and Sarathi-Serve a request appended last never
+changes what the residents are scheduled (it only takes the budget they leave), and its own
+Eq. 9 cost telescopes: ``sum q*(q/2+ctx) = (P^2 - K^2)/2`` however the prompt is chunked.
+So one residents-only simulation serves every candidate and each candidate costs a few
+vector operations. (It assumes the candidate triggers no preemption; :func:`estimate_ttft_ms`
+is the exact reference.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.scheduling import Workload
+from routing.steptime import StepTimeModel
+from routing.types import InstanceState
+from schemas import SchedulerConfig
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+DEFAULT_OUTPUT_TOKENS = 128
+
+
+def _check_state(state: InstanceState) -> None:
+    bad = np.flatnonzero(
+        (state.decoded_tokens > 0) & (state.prefilled_tokens < state.prompt_tokens)
+    )
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"InstanceState row {i}: decoded_tokens ({int(state.decoded_tokens[i])}) must be 0 "
+            f"until the prompt is fully prefilled ({int(state.prefilled_tokens[i])} of "
+            f"{int(state.prompt_tokens[i])} tokens)"
+        )
+    bad = np.flatnonzero(state.predicted_output_tokens < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"InstanceState row {i}: predicted_output_tokens must be >= 1, "
+            f"got {int(state.predicted_output_tokens[i])}"
+        )
+
+
+def _as_tokens(name: str, values: IntArray | list[int], min_value: int) -> IntArray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of token counts, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            raise ValueError(f"{name} must hold whole token counts, got {arr[:5].tolist()}")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero(arr < min_value)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] must be >= {min_value}, got {int(arr[i])}")
+    return arr
+
+
+def workload_from_state(state: InstanceState, sched: SchedulerConfig) -> Workload:
+    """The scheduler's view of a snapshot (validated; errors name the bad row)."""
+    _check_state(state)
+    return Workload(
+        state.prompt_tokens,
+        state.prefilled_tokens,
+        state.decoded_tokens,
+        state.predicted_output_tokens,
+        sched,
+    )
+
+
+def _default_output(state: InstanceState, k: int) -> IntArray:
+    if state.n:
+        mean = float(np.mean(state.predicted_output_tokens))
+        return np.full(k, max(1, round(mean)), dtype=np.int64)
+    return np.full(k, DEFAULT_OUTPUT_TOKENS, dtype=np.int64)
+
+
+def estimate_ttft_ms(
+    state: InstanceState,
+    prompt_tokens: IntArray,
+    model: StepTimeModel,
+    sched: SchedulerConfig,
+    output_tokens: IntArray | None = None,
+    *,
+    start_delay_ms: float = 0.0,
+) -> FloatArray:
+    """TTFT (ms from now) of each new query if all are appended FCFS, in this order.
+
+    ``output_tokens`` are the new queries' (predicted) output lengths; they matter for the
+    queries behind them. Default: the residents' mean prediction, else 128.
+    ``start_delay_ms``: time until the instance's in-flight step ends (the snapshot is the
+    state after it).
+    """
+    prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
+    k = int(prompts.size)
+    if k == 0:
+        return np.zeros(0)
+    outs = (
+        _default_output(state, k)
+        if output_tokens is None
+        else _as_tokens("output_tokens", output_tokens, 1)
+    )
+    if outs.size != k:
+        raise ValueError(f"output_tokens has {outs.size} rows, prompt_tokens has {k}")
+    w = workload_from_state(state, sched)
+    n0 = w.n
+    w.append(prompts, outs)
+    ids = np.arange(n0 + k)
+    ttft = np.full(k, np.nan)
+    t = float(start_delay_ms)
+    pending = k
+    while pending:
+        seg = w.plan()
+        if seg is None:  # pragma: no cover - new rows are always schedulable
+            raise RuntimeError("SFS: nothing schedulable while new queries are still waiting")
+        t += seg.total_ms(model)
+        done = w.apply(seg)
+        if done.first_token.size:
+            got = ids[done.first_token]
+            got = got[got >= n0] - n0
+            ttft[got] = t
+            pending -= int(got.size)
+        if done.finished.size:
+            w.remove(done.finished)
+            ids = np.delete(ids, done.finished)
+    return ttft
+
+
+def standalone_ttft_ms(
+    state: InstanceState,
+    prompt_tokens: IntArray,
+    model: StepTimeModel,
+    sched: SchedulerConfig,
+    *,
+    start_delay_ms: float = 0.0,
+) -> FloatArray:
+    """TTFT (ms from now) of each candidate if it alone were appended to ``state``.
+
+    Vectorised over candidates: one residents-only simulation, then a few array operations
+    per candidate. Equals ``estimate_ttft_ms(state, [p], ...)`` for each ``p`` unless the
+    candidate's own KV usage would trigger a preemption.
+    """
+    prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
+    if prompts.size == 0:
+        return np.zeros(0)
+    if sched.policy == "vllm-v0":
+        # prefill-first: a new prompt delays the residents, so no shared timeline exists
+        return np.array(
+            [
+                estimate_ttft_ms(state, np.array([p]), model, sched, start_delay_ms=start_delay_ms)[
+                    0
+                ]
+                for p in prompts
+            ]
+        )
+    P = np.maximum(prompts, 1)
+    hit = np.minimum(sched.shared_prefix_tokens, P - 1) if sched.shared_prefix_tokens else 0 * P
+    need = P - hit
+    budget = sched.chunk_size_tokens if sched.policy == "sarathi" else sched.max_num_batched_tokens
+    bs = sched.block_size_tokens
+    first_blocks = -(-(hit + np.minimum(need, budget)) // bs)
+
+    w = workload_from_state(state, sched)
+    starts: list[float] = []
+    steps: list[float] = []
+    base: list[float] = []
+    growth: list[float] = []
+    left: list[float] = []
+    free: list[float] = []  # KV blocks free for a new request; -1: cannot admit at all
+    t = float(start_delay_ms)
+    need_max = int(need.max())
+    min_blocks = int(first_blocks.min())
+    started = False
+    got = 0
+    while True:
+        seg = w.plan()
+        if seg is None:
+            break
+        b = budget - seg.n_tokens
+        running_after = (w.prefilled > 0) | seg.admitted
+        n_run = int(running_after.sum())
+        can = b > 0 and n_run < sched.max_num_seqs and n_run == w.n
+        if can:
+            cache = np.where(w.prefilled > 0, w.prompt + w.decoded - 1, 0)
+            cache = np.where(w.prefilled < w.prompt, w.prefilled, cache)
+            cache = np.where(seg.admitted, seg.start_prefilled, cache)
+            used = int((-(-(cache + seg.tokens) // bs)).sum())
+            f = float(sched.kv_blocks - used)
+        else:
+            f = -1.0
+        bg = seg.base_growth_ms(model)
+        starts.append(t)
+        steps.append(float(seg.steps))
+        base.append(bg[0])
+        growth.append(bg[1])
+        left.append(float(b))
+        free.append(f)
+        if started or f >= min_blocks:
+            started = True
+            got += seg.steps * b
+            if got >= need_max:
+                break
+        t += seg.total_ms(model)
+        done = w.apply(seg)
+        if done.finished.size:
+            w.remove(done.finished)
+    else:  # pragma: no cover
+        pass
+    if not (started and got >= need_max):
+        # residents run out: idle steps that cost c0 each and leave the whole budget
+        starts.append(t)
+        steps.append(np.inf)
+        base.append(model.c0_ms)
+        growth.append(0.0)
+        left.append(float(budget))
+        free.append(float(sched.kv_blocks))
+    T = np.asarray(starts)
+    kk = np.asarray(steps)
+    bb = np.asarray(left)
+    a = np.asarray(base)
+    g = np.asarray(growth)
+    fr = np.asarray(free)
+    C = np.concatenate([[0.0], np.cumsum(kk * bb)])
+    # first segment where each candidate can be admitted
+    ok = fr[None, :] >= first_blocks[:, None]
+    if not ok.any(axis=1).all():
+        i = int(np.flatnonzero(~ok.any(axis=1))[0])
+        raise ValueError(
+            f"prompt_tokens[{i}] ({int(P[i])} tokens) needs {int(first_blocks[i])} KV blocks, "
+            f"more than the instance can free (kv_blocks={sched.kv_blocks})"
+        )
+    i0 = ok.argmax(axis=1)
+    target = C[i0] + need
+    i_end = np.searchsorted(C, target, side="left") - 1
+    i_end = np.clip(i_end, i0, len(T) - 1)
+    m = np.ceil((target - C[i_end]) / bb[i_end])
+    resident_ms = T[i_end] + m * a[i_end] + g[i_end] * m * (m - 1) / 2.0
+    own_ms = (
+        model.c1_ms_per_token * need
+        + model.c3_ms_per_attn_unit
+        * (P.astype(np.float64) ** 2 - np.asarray(hit, dtype=np.float64) ** 2)
+        / 2.0
+    )
+    return np.asarray(resident_ms + own_ms, dtype=np.float64)
