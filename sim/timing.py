@@ -20,7 +20,7 @@ the engine exactly when the engine runs it without noise and with oracle lengths
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -63,17 +63,62 @@ class LinearTiming:
 
 @dataclass(frozen=True)
 class TableTiming:
-    """Step time from a profile's measured tables (``routing.profiles.Table``), plus noise."""
+    """Step time from a profile's measured tables (``routing.profiles.Table``), plus noise.
 
-    table: Table
+    Build it with :meth:`from_profile` (or field by field, as ``sim.cluster`` does).
+    """
+
+    dense_tokens: tuple[float, ...]
+    dense_ms: tuple[float, ...]
+    cpu_ms: float
+    cpu_ms_per_seq: float
+    decode_ms_per_seq: float
+    decode_ms_per_ctx_token: float
+    prefill_ms_per_attn_unit: float
+    prefill_half_eff_tokens: float = 128.0
     noise_sigma: float = 0.0
+    table: Table = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        x = np.asarray(self.dense_tokens, dtype=np.float64)
+        y = np.asarray(self.dense_ms, dtype=np.float64)
+        if x.size < 2 or x.shape != y.shape or (np.diff(x) <= 0).any():
+            raise ValueError("TableTiming: dense_tokens must be increasing and match dense_ms")
+        if self.noise_sigma < 0:
+            raise ValueError(f"TableTiming: noise_sigma must be >= 0, got {self.noise_sigma}")
+        tb = Table(
+            x,
+            y,
+            float(self.cpu_ms),
+            float(self.cpu_ms_per_seq),
+            float(self.decode_ms_per_seq),
+            float(self.decode_ms_per_ctx_token),
+            float(self.prefill_ms_per_attn_unit),
+            float(self.prefill_half_eff_tokens),
+        )
+        object.__setattr__(self, "table", tb)
+
+    @classmethod
+    def from_table(cls, tb: Table, noise_sigma: float = 0.0) -> TableTiming:
+        return cls(
+            tuple(float(v) for v in tb.dense_tokens),
+            tuple(float(v) for v in tb.dense_ms),
+            tb.cpu_ms,
+            tb.cpu_ms_per_seq,
+            tb.decode_ms_per_seq,
+            tb.decode_ms_per_ctx_token,
+            tb.prefill_ms_per_attn_unit,
+            tb.prefill_half_eff_tokens,
+            noise_sigma,
+        )
 
     @classmethod
     def from_profile(cls, name: str, noise_sigma: float = 0.0) -> TableTiming:
-        return cls(Table.from_record(profile_record(name)), noise_sigma)
+        """The measured-table timing of a profile (``routing.profiles``)."""
+        return cls.from_table(Table.from_record(profile_record(name)), noise_sigma)
 
     def with_noise(self, sigma: float) -> TableTiming:
-        return TableTiming(self.table, sigma)
+        return TableTiming.from_table(self.table, sigma)
 
     def segment_ms(self, seg: Segment, steps: int, rng: np.random.Generator) -> FloatArray:
         tb = self.table
