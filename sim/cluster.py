@@ -27,7 +27,7 @@ from routing.steptime import StepTimeModel
 from routing.types import InstanceState, InstanceView
 from schemas import ClusterConfig, ModelSpec
 from sim.engine import SimEngine
-from sim.timing import LinearTiming, TimingSource
+from sim.timing import LinearTiming, TableTiming, TimingSource
 
 DEFAULT_CLOUD_STEP = StepTimeModel(
     c0_ms=12.0, c1_ms_per_token=0.02, c2_ms_per_ctx_token=2e-5, c3_ms_per_attn_unit=2e-7
@@ -45,24 +45,12 @@ class ClusterError(ValueError):
 
 def _profile_model(name: str) -> StepTimeModel:
     """Eq. 9 coefficients of a named profile (``routing.profiles``)."""
+    from routing import profiles
+
     try:
-        from routing import profiles  # type: ignore[attr-defined]
-    except ImportError as exc:  # pragma: no cover - depends on the SFS issue landing
-        raise ClusterError(f"profile {name!r}: routing.profiles is not available ({exc})") from exc
-    prof = profiles.load_profile(name)
-    coef = getattr(prof, "coefficients", None) or getattr(prof, "step_time", None) or prof
-    if isinstance(coef, StepTimeModel):
-        return coef
-    if hasattr(coef, "to_coefficients") or hasattr(coef, "c0_ms"):
-        return StepTimeModel(
-            float(coef.c0_ms),
-            float(coef.c1_ms_per_token),
-            float(coef.c2_ms_per_ctx_token),
-            float(coef.c3_ms_per_attn_unit),
-        )
-    raise ClusterError(
-        f"profile {name!r}: cannot read step-time coefficients from {type(prof).__name__}"
-    )
+        return profiles.load_profile(name)
+    except (KeyError, FileNotFoundError) as exc:
+        raise ClusterError(f"profile {name!r}: {exc}") from exc
 
 
 def step_model_of(spec: ModelSpec) -> StepTimeModel | None:
@@ -75,19 +63,26 @@ def step_model_of(spec: ModelSpec) -> StepTimeModel | None:
 
 
 def default_timing(spec: ModelSpec, noise_sigma: float) -> TimingSource:
-    """The engine's timing source: the profile's measured table when the SFS issue ships
-    one (so the engine is not the model SFS uses), else Eq. 9 with noise."""
+    """The engine's timing source: the profile's measured-table step time (so the engine is
+    not priced by the very Eq. 9 model SFS uses), else Eq. 9 itself, with log-normal noise."""
     if spec.step_time is None and spec.profile is not None:
-        try:
-            from routing import profiles  # type: ignore[attr-defined]
+        from routing import profiles
 
-            table = getattr(profiles, "load_table_timing", None)
-            if table is not None:
-                timing: TimingSource = table(spec.profile)
-                with_noise = getattr(timing, "with_noise", None)
-                return with_noise(noise_sigma) if (with_noise and noise_sigma > 0) else timing
-        except ImportError:  # pragma: no cover
-            pass
+        try:
+            t = profiles.Table.from_record(profiles.profile_record(spec.profile))
+        except (KeyError, FileNotFoundError) as exc:
+            raise ClusterError(f"model {spec.name!r}: profile {spec.profile!r}: {exc}") from exc
+        return TableTiming(
+            tuple(float(x) for x in t.dense_tokens),
+            tuple(float(x) for x in t.dense_ms),
+            t.cpu_ms,
+            t.cpu_ms_per_seq,
+            t.decode_ms_per_seq,
+            t.decode_ms_per_ctx_token,
+            t.prefill_ms_per_attn_unit,
+            t.prefill_half_eff_tokens,
+            noise_sigma,
+        )
     model = step_model_of(spec)
     if model is None:
         raise ClusterError(f"model {spec.name!r} is local but has neither step_time nor profile")
