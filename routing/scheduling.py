@@ -34,7 +34,7 @@ counted per request (conservative).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +77,7 @@ class Segment:
     decode_ctx0: float  # sum of decode contexts on step 0
     attn0: float  # sum of q * (q / 2 + ctx) over prefill chunks on step 0
     q2: float  # sum of q^2 over prefill chunks: growth of attn per step
+    preempted: bool = False  # the first step preempted someone (so it admitted no one)
 
     @property
     def n_seqs(self) -> int:
@@ -208,6 +209,7 @@ class Workload:
             return self._plan_v0()
         sched = self.sched
         bs = sched.block_size_tokens
+        preempted = False
         while True:
             running = self.prefilled > 0
             run_idx = np.flatnonzero(running)
@@ -233,13 +235,15 @@ class Workload:
                     f"more than kv_blocks={sched.kv_blocks}"
                 )
             self._preempt(victim)
+            preempted = True
 
         start_prefilled = self.prefilled.copy()
         admitted = np.zeros(n, dtype=bool)
         left = self._budget - int(tokens.sum())
         slots = sched.max_num_seqs - int(run_idx.size)
         wait_idx = np.flatnonzero(~running)
-        if wait_idx.size and left > 0 and slots > 0:
+        # vLLM V1 admits no waiting request in a step that had to preempt
+        if wait_idx.size and left > 0 and slots > 0 and not preempted:
             w = wait_idx[:slots]
             hit = np.minimum(self._prefix, self.prompt[w] - 1) if self._prefix else 0
             nw = self.prompt[w] - hit
@@ -259,7 +263,10 @@ class Workload:
             admitted[adm] = True
             if self._prefix:
                 start_prefilled[adm] = np.asarray(hit)[:m] if np.ndim(hit) else hit
-        return self._segment(tokens, start_prefilled, admitted, blocks_used)
+        seg = self._segment(tokens, start_prefilled, admitted, blocks_used)
+        if seg is not None and preempted:
+            seg = replace(seg, preempted=True)
+        return seg
 
     def _plan_v0(self) -> Segment | None:
         sched = self.sched

@@ -195,7 +195,7 @@ def standalone_ttft_ms(
         b = budget - seg.n_tokens
         running_after = (w.prefilled > 0) | seg.admitted
         n_run = int(running_after.sum())
-        can = b > 0 and n_run < sched.max_num_seqs and n_run == w.n
+        can = b > 0 and n_run < sched.max_num_seqs and n_run == w.n and not seg.preempted
         if can:
             cache = np.where(w.prefilled > 0, w.prompt + w.decoded - 1, 0)
             cache = np.where(w.prefilled < w.prompt, w.prefilled, cache)
