@@ -1,0 +1,551 @@
+"""Fault-injection harness: services and processes this suite owns, stopped and killed by pid.
+
+* :class:`OwnedServices` — a Kafka broker and a Redis server started for one test module
+  in its own state directory (never the session's shared ones), which a test may stop,
+  kill and restart on the same ports. The broker restarts on its own data directory (same
+  cluster id, same logs), so a restart is a real broker restart, not a fresh cluster.
+* :class:`Proc` / :class:`Procs` — router, worker and fake-vLLM subprocesses, each in its own
+  session, logged to a file, stopped with SIGTERM then SIGKILL by pid, or ``kill -9``'d by
+  pid on purpose. ``Procs.stop_all`` runs at teardown whatever happened.
+* :class:`TopicTally` — reads ``results`` / ``decisions`` / ``dead-letters`` / ``route.*``
+  from the beginning and counts, per query id, how many times each was seen: the lost and
+  duplicated figures every scenario reports.
+* :func:`write_figures` — appends a scenario's measured figures to the JSON summary that
+  ``docs/reliability.md`` is written from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from switchyard import services
+from switchyard.devcerts import TlsFiles
+from switchyard.paths import REPO_ROOT
+from switchyard.services import ScramUser, ServiceRecord
+
+PYTHON = sys.executable
+FIGURES_ENV = "SWITCHYARD_FAULTS_FIGURES"
+
+
+class HarnessError(AssertionError):
+    """A bounded wait ran out or a process misbehaved; the message says what and where to look."""
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1
+) -> float:
+    """Poll ``predicate`` until true; return the seconds it took, else fail naming ``what``."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while True:
+        if predicate():
+            return time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise HarnessError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+async def await_until(
+    predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1
+) -> float:
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while True:
+        if predicate():
+            return time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise HarnessError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        await asyncio.sleep(poll_s)
+
+
+# --------------------------------------------------------------------------- services
+
+
+def _cmdline(pid: int) -> list[str]:
+    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return [part.decode() for part in raw.split(b"\0") if part]
+
+
+@dataclass
+class OwnedServices:
+    """Kafka and Redis started for one module under ``home``; restartable on the same ports."""
+
+    home: Path
+    kafka: ServiceRecord | None = None
+    redis: ServiceRecord | None = None
+    redis_password: str | None = None
+    redis_tls: TlsFiles | None = None
+    _kafka_argv: list[str] = field(default_factory=list)
+    _redis_port: int = 0
+    _extra: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        home: Path,
+        *,
+        kafka: bool = True,
+        redis: bool = True,
+        sasl_port: int | None = None,
+        tls_port: int | None = None,
+        tls: TlsFiles | None = None,
+        scram_users: list[ScramUser] | None = None,
+        redis_password: str | None = None,
+        redis_tls: TlsFiles | None = None,
+    ) -> OwnedServices:
+        home.mkdir(parents=True, exist_ok=True)
+        owned = cls(home=home, redis_password=redis_password, redis_tls=redis_tls)
+        try:
+            if redis:
+                owned._redis_port = services.free_port()
+                owned.redis = services.redis_up(
+                    port=owned._redis_port,
+                    home=home,
+                    password=redis_password,
+                    tls=redis_tls,
+                    name="redis-faults",
+                )
+            if kafka:
+                owned.kafka = services.kafka_up(
+                    port=services.free_port(),
+                    home=home,
+                    sasl_port=sasl_port,
+                    tls_port=tls_port,
+                    tls=tls,
+                    scram_users=scram_users,
+                )
+                owned._kafka_argv = _cmdline(owned.kafka.pid)
+        except BaseException:
+            owned.down()
+            raise
+        return owned
+
+    @property
+    def bootstrap(self) -> str:
+        assert self.kafka is not None, "this module started no Kafka broker"
+        return self.kafka.address
+
+    @property
+    def redis_url(self) -> str:
+        assert self.redis is not None, "this module started no Redis"
+        return self.redis.address
+
+    def env(self, namespace: str = "sy") -> dict[str, str]:
+        """Environment for a Switchyard process that talks to these services."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SWITCHYARD_") or k in ("SWITCHYARD_SHARED",)
+        }
+        env["SWITCHYARD_HOME"] = str(self.home)
+        env["SWITCHYARD_NAMESPACE"] = namespace
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.kafka is not None:
+            env["SWITCHYARD_KAFKA"] = self.bootstrap
+        if self.redis is not None:
+            env["SWITCHYARD_REDIS"] = self.redis_url
+            if self.redis_password:
+                env["SWITCHYARD_REDIS_PASSWORD"] = self.redis_password
+            if self.redis_tls:
+                env["SWITCHYARD_REDIS_TLS_CA"] = self.redis_tls.ca
+        return env
+
+    # -- Kafka: stop / kill / restart on the same data directory
+
+    def kafka_stop(self, hard: bool = False, timeout_s: float = 60.0) -> None:
+        """SIGTERM (controlled shutdown) or SIGKILL the broker by its recorded pid; keep its data."""
+        rec = self.kafka
+        assert rec is not None
+        if not rec.alive():
+            return
+        os.kill(rec.pid, signal.SIGKILL if hard else signal.SIGTERM)
+        wait_until(
+            lambda: _reaped(rec.pid) or not rec.alive(),
+            timeout_s,
+            f"Kafka broker pid {rec.pid} to exit",
+        )
+
+    def kafka_restart(self, timeout_s: float = 90.0) -> float:
+        """Start the broker again with the same command line; return seconds until it serves."""
+        rec = self.kafka
+        assert rec is not None and self._kafka_argv
+        if rec.alive():
+            raise HarnessError(f"Kafka broker pid {rec.pid} is still running")
+        t0 = time.monotonic()
+        with open(rec.log, "ab") as out:
+            child = subprocess.Popen(
+                self._kafka_argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._extra.append(child)
+        rec.pid = child.pid
+        services._save(rec, self.home)  # the record follows the new pid so `down` stops it
+        while time.monotonic() - t0 < timeout_s:
+            if child.poll() is not None:
+                raise HarnessError(
+                    f"restarted Kafka broker exited {child.returncode}; see {rec.log}"
+                )
+            if services.kafka_ready(rec.address, timeout_s=3.0):
+                return time.monotonic() - t0
+            time.sleep(0.3)
+        raise HarnessError(
+            f"restarted Kafka broker not ready after {timeout_s:.0f} s; see {rec.log}"
+        )
+
+    # -- Redis: stop (process gone, port refuses) and start again empty on the same port
+
+    def redis_stop(self) -> None:
+        assert self.redis is not None
+        services.stop_record(self.redis, self.home, grace_s=10.0)
+
+    def redis_restart(self) -> float:
+        assert self.redis is not None
+        t0 = time.monotonic()
+        self.redis = services.redis_up(
+            port=self._redis_port,
+            home=self.home,
+            password=self.redis_password,
+            tls=self.redis_tls,
+            name="redis-faults",
+        )
+        return time.monotonic() - t0
+
+    def down(self) -> None:
+        services.down(self.home)
+        for child in self._extra:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                child.wait(timeout=0)
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == pid
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Proc:
+    """One Switchyard subprocess in its own session, logged to ``log``."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes]
+    started_at: float
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill9(self) -> None:
+        """``kill -9`` by pid: no shutdown hooks, no flush, no commit."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM by pid, SIGKILL after ``grace_s``; children left in its session are killed too."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # its own session: only what it spawned
+        return self.popen.returncode
+
+    def tail(self, n_chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise HarnessError(
+                f"{self.name} (pid {self.pid}) exited with {self.popen.returncode}; "
+                f"log {self.log}:\n{self.tail()}"
+            )
+
+
+@dataclass
+class Procs:
+    """Every process a module starts; ``stop_all`` at teardown."""
+
+    logs: Path
+    env: dict[str, str]
+    started: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, args: Iterable[str], env: Mapping[str, str] | None = None) -> Proc:
+        argv = [PYTHON, "-m", "switchyard.cli", *args]
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{name}.{len(self.started)}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env=dict(env if env is not None else self.env),
+                start_new_session=True,
+            )
+        proc = Proc(name=name, argv=argv, log=log, popen=popen, started_at=time.time())
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            with contextlib.suppress(Exception):
+                proc.stop(grace_s=10.0)
+
+    def all_text(self) -> str:
+        return "\n".join(p.text() for p in self.started)
+
+
+# --------------------------------------------------------------------------- Kafka I/O
+
+
+def producer_kwargs() -> dict[str, Any]:
+    """Idempotent, acks=all: the producer a careful client runs."""
+    return {"acks": "all", "enable_idempotence": True, "linger_ms": 5, "max_batch_size": 262_144}
+
+
+@dataclass
+class TopicTally:
+    """Everything read so far from a set of topics, keyed by query id."""
+
+    decisions: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    routed: dict[str, list[tuple[str, dict[str, Any]]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    unparsable: Counter[str] = field(default_factory=Counter)
+
+    def ids_routed(self, ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """(lost, routed twice) among ``ids`` by the route.* topics."""
+        lost = {q for q in ids if q not in self.routed}
+        twice = {q for q, seen in self.routed.items() if len(seen) > 1}
+        return lost, twice
+
+    def ok_routed_decisions(self, qid: str) -> list[dict[str, Any]]:
+        return [d for d in self.decisions.get(qid, []) if d.get("status") == "routed"]
+
+
+class TopicReader:
+    """Background consumers (manual assignment, from the beginning) filling a ``TopicTally``.
+
+    One consumer per topic; ``route.*`` topics are picked up as they appear. Keeps reading
+    across broker restarts. Use as an async context manager.
+    """
+
+    def __init__(
+        self,
+        kafka_kwargs: Mapping[str, Any],
+        topics: Iterable[str],
+        route_prefix: str | None = "route.",
+    ) -> None:
+        self.kafka_kwargs = dict(kafka_kwargs)
+        self.fixed = list(topics)
+        self.route_prefix = route_prefix
+        self.tally = TopicTally()
+        self.records = 0
+        self.error: BaseException | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._discover: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    async def __aenter__(self) -> TopicReader:
+        for topic in self.fixed:
+            self._tasks[topic] = asyncio.create_task(self._read(topic))
+        if self.route_prefix:
+            self._discover = asyncio.create_task(self._discover_routes())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        tasks = [*self._tasks.values(), *([self._discover] if self._discover else [])]
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 30)
+
+    async def _discover_routes(self) -> None:
+        from aiokafka import AIOKafkaConsumer
+
+        assert self.route_prefix
+        probe = AIOKafkaConsumer(**self.kafka_kwargs)
+        try:
+            await probe.start()
+            while not self._stop.is_set():
+                with contextlib.suppress(Exception):
+                    for topic in await probe.topics():
+                        if topic.startswith(self.route_prefix) and topic not in self._tasks:
+                            self._tasks[topic] = asyncio.create_task(self._read(topic))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await probe.stop()
+
+    async def _read(self, topic: str) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        consumer = AIOKafkaConsumer(
+            **self.kafka_kwargs,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=4 * 1_048_576,
+            fetch_max_bytes=16 * 1_048_576,
+        )
+        try:
+            await consumer.start()
+            parts: set[int] = set()
+            while not parts and not self._stop.is_set():
+                with contextlib.suppress(Exception):
+                    await consumer.topics()
+                parts = consumer.partitions_for_topic(topic) or set()
+                if not parts:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), 0.5)
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            if not tps:
+                return
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            while not self._stop.is_set():
+                try:
+                    batch = await consumer.getmany(timeout_ms=200, max_records=20_000)
+                except Exception:
+                    await asyncio.sleep(0.5)  # broker restarts: keep reading afterwards
+                    continue
+                for recs in batch.values():
+                    for rec in recs:
+                        self._add(topic, rec.value)
+        except BaseException as exc:  # surfaced by check()
+            if not isinstance(exc, asyncio.CancelledError):
+                self.error = exc
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+
+    def _add(self, topic: str, value: bytes | None) -> None:
+        self.records += 1
+        try:
+            body = json.loads(value or b"null")
+        except ValueError:
+            self.tally.unparsable[topic] += 1
+            return
+        if not isinstance(body, dict):
+            self.tally.unparsable[topic] += 1
+            return
+        t = self.tally
+        if topic == "results":
+            t.results[str(body.get("query_id"))].append(body)
+        elif topic == "decisions":
+            t.decisions[str(body.get("query_id"))].append(body)
+        elif topic == "dead-letters":
+            t.dead_letters.append(body)
+        elif self.route_prefix and topic.startswith(self.route_prefix):
+            query = body.get("query") or {}
+            t.routed[str(query.get("id"))].append((topic, body))
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise HarnessError(f"topic reader failed: {self.error!r}")
+
+
+async def produce_all(
+    kafka_kwargs: Mapping[str, Any],
+    topic: str,
+    messages: Iterable[tuple[bytes | None, bytes | None]],
+    rate_per_s: float | None = None,
+    on_sent: Callable[[int], None] | None = None,
+) -> list[tuple[int, int]]:
+    """Produce ``(key, value)`` pairs with an idempotent producer; return (partition, offset) each.
+
+    ``rate_per_s`` paces the stream (a replay); ``on_sent(i)`` is called after the i-th send
+    is queued (a scenario injects its fault from there).
+    """
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(
+        **dict(kafka_kwargs),
+        **producer_kwargs(),
+        max_request_size=1_048_576,
+        request_timeout_ms=60_000,
+    )
+    await producer.start()
+    futures: list[asyncio.Future[Any]] = []
+    try:
+        t0 = time.monotonic()
+        for i, (key, value) in enumerate(messages):
+            if rate_per_s:
+                ahead = i / rate_per_s - (time.monotonic() - t0)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+            futures.append(await producer.send(topic, value=value, key=key))
+            if on_sent is not None:
+                on_sent(i)
+        metas = await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    return [(m.partition, m.offset) for m in metas]
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def figures_path() -> Path:
+    env = os.environ.get(FIGURES_ENV)
+    if env:
+        return Path(env)
+    home = os.environ.get("SWITCHYARD_HOME")
+    base = Path(home) if home else REPO_ROOT / ".switchyard"
+    return base / "faults-figures.json"
+
+
+def write_figures(scenario: str, figures: Mapping[str, Any]) -> Path:
+    """Merge one scenario's figures into the JSON summary (a dict keyed by scenario)."""
+    path = figures_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[scenario] = {**figures, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    return path
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Callable[[], float]]:
+    t0 = time.monotonic()
+    yield lambda: time.monotonic() - t0
