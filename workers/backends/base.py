@@ -1,0 +1,66 @@
+"""What a worker asks of an inference backend, and what it gets back.
+
+A backend turns one routed query into one ``Generation``: text, token counts and wall-clock
+times. Engine failures never raise: they come back as ``Generation.error`` so the worker
+always publishes a Result. Token progress is reported through ``on_progress`` as it happens
+(the worker throttles it into Redis resident-state updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from schemas import Query
+
+ProgressFn = Callable[[int, int], None]  # (prefilled_tokens, decoded_tokens)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    query: Query
+    request_id: str  # unique per attempt (a re-delivered query gets a new one)
+    prompt_tokens: int  # the producer's count, else an estimate
+    predicted_output_tokens: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    sent_at: float  # time.time() when the engine got the request
+    first_token_at: float | None
+    finished_at: float
+    error: str | None = None
+    attempts: int = 1
+    usage_reported: bool = False  # token counts from the engine's usage, not counted chunks
+
+    @property
+    def engine_ttft_ms(self) -> float | None:
+        if self.first_token_at is None:
+            return None
+        return max(0.0, (self.first_token_at - self.sent_at) * 1000.0)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine itself reports (vLLM ``/metrics``); None when unknown."""
+
+    running: int | None = None
+    waiting: int | None = None
+
+
+class Backend(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
+        """Run one request to completion; failures are returned in ``Generation.error``."""
+        ...
+
+    async def engine_load(self) -> EngineLoad: ...

@@ -1,0 +1,262 @@
+"""Backend for a vLLM (or any OpenAI-compatible) server: httpx async streaming.
+
+``/v1/completions`` for a ``prompt`` query, ``/v1/chat/completions`` for ``messages``,
+always streamed (``stream_options.include_usage`` asked for). TTFT is measured at the
+first chunk carrying text. Token counts come from the final usage chunk when the server
+honours ``include_usage``, else from counted text chunks (vLLM streams one token per
+chunk). Connection failures (nothing reached the server) are retried with exponential
+backoff; anything else — HTTP errors, a broken stream, a timeout — becomes an error
+``Generation`` at once, since the server may already have done the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from schemas import Query
+from workers.backends.base import EngineLoad, Generation, GenerationRequest, ProgressFn
+from workers.sse import SSEParser, error_message, interpret
+
+log = logging.getLogger(__name__)
+
+# OpenAI request fields passed through unchanged when the query sets them
+_PASS_COMMON = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+)
+_PASS_COMPLETION = ("logprobs", "suffix")
+_PASS_CHAT = ("top_logprobs", "response_format", "tools", "tool_choice")
+_METRIC = re.compile(
+    r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)\s*$"
+)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    endpoint: str  # base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str  # the served model name
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 120.0  # longest silence between two chunks
+    request_timeout_s: float = 900.0  # whole request
+    retries: int = 3  # extra attempts after a connection failure
+    backoff_s: float = 0.2  # first retry delay; doubles each time
+    max_connections: int = 256
+    api_key: str | None = None
+
+
+def request_body(query: Query, model: str) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body for ``query`` (always streaming, usage requested, n=1)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    for name in _PASS_COMMON:
+        value = getattr(query, name)
+        if value is not None:
+            body[name] = value
+    if query.kind == "chat":
+        assert query.messages is not None
+        body["messages"] = [m.model_dump(exclude_none=True) for m in query.messages]
+        for name in _PASS_CHAT:
+            value = getattr(query, name)
+            if value is not None:
+                body[name] = value
+        if query.logprobs is not None:
+            body["logprobs"] = bool(query.logprobs)
+        if query.max_completion_tokens is not None:
+            body["max_completion_tokens"] = query.max_completion_tokens
+        if query.max_tokens is not None:
+            body["max_tokens"] = query.max_tokens
+        return "/v1/chat/completions", body
+    body["prompt"] = query.prompt
+    for name in _PASS_COMPLETION:
+        value = getattr(query, name)
+        if value is not None:
+            body[name] = value
+    cap = query.output_cap_tokens()
+    if cap is not None:
+        body["max_tokens"] = cap
+    return "/v1/completions", body
+
+
+def parse_engine_load(text: str) -> EngineLoad:
+    """Running and waiting requests from vLLM's Prometheus text (summed over label sets)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line.strip())
+        if m and m.group(2) != "NaN":
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    running = values.get("vllm:num_requests_running")
+    waiting = values.get("vllm:num_requests_waiting")
+    return EngineLoad(
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+    )
+
+
+class VllmBackend:
+    """Streams requests to one OpenAI-compatible server."""
+
+    name = "vllm"
+
+    def __init__(self, config: VllmConfig) -> None:
+        base = config.endpoint.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]
+        if not base.startswith(("http://", "https://")):
+            raise ValueError(
+                f"vLLM endpoint must be an http:// or https:// URL, got {config.endpoint!r}"
+            )
+        self.config = config
+        self.base_url = base
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=c.connect_timeout_s, read=c.read_timeout_s, write=30.0, pool=None
+            ),
+            limits=httpx.Limits(
+                max_connections=c.max_connections, max_keepalive_connections=c.max_connections
+            ),
+        )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def engine_load(self) -> EngineLoad:
+        if self._client is None:
+            return EngineLoad()
+        try:
+            resp = await self._client.get("/metrics", timeout=2.0)
+            if resp.status_code != 200:
+                return EngineLoad()
+            return parse_engine_load(resp.text)
+        except httpx.HTTPError:
+            return EngineLoad()
+
+    async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
+        if self._client is None:
+            raise RuntimeError("VllmBackend.generate called before start()")
+        path, body = request_body(req.query, self.config.model)
+        sent_at = time.time()
+        attempt = 0
+        while True:
+            attempt += 1
+            state = _StreamState(req.prompt_tokens, chat=path.endswith("chat/completions"))
+            sent_at = time.time()
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    await self._stream(path, body, state, on_progress)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt <= self.config.retries:
+                    delay = self.config.backoff_s * 2 ** (attempt - 1)
+                    log.warning(
+                        "query %s: cannot connect to %s (%s); retry %d/%d in %.2f s",
+                        req.query.id, self.base_url, type(exc).__name__, attempt, self.config.retries, delay,
+                    )  # fmt: skip
+                    await asyncio.sleep(delay)
+                    continue
+                state.error = f"cannot connect to {self.base_url} after {attempt} attempts: {type(exc).__name__}: {exc}"
+            except TimeoutError:
+                state.error = f"request to {self.base_url}{path} timed out after {self.config.request_timeout_s:.0f} s"
+            except httpx.TimeoutException as exc:
+                state.error = f"{type(exc).__name__} from {self.base_url}{path}: no data for {self.config.read_timeout_s:.0f} s"
+            except httpx.HTTPError as exc:
+                state.error = (
+                    f"stream from {self.base_url}{path} broke: {type(exc).__name__}: {exc}"
+                )
+            return state.result(sent_at, attempt)
+
+    async def _stream(
+        self, path: str, body: dict[str, Any], state: _StreamState, on_progress: ProgressFn
+    ) -> None:
+        assert self._client is not None
+        async with self._client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                state.error = (
+                    f"HTTP {resp.status_code} from {self.base_url}{path}: {error_message(raw)}"
+                )
+                return
+            parser = SSEParser()
+            async for text in resp.aiter_text():
+                for payload in parser.feed(text):
+                    if state.consume(payload, on_progress):
+                        return
+            for payload in parser.finish():
+                if state.consume(payload, on_progress):
+                    return
+            if not state.done and state.error is None:
+                state.error = f"stream from {self.base_url}{path} ended without [DONE]"
+
+
+class _StreamState:
+    def __init__(self, prompt_tokens: int, chat: bool) -> None:
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens
+        self.parts: list[str] = []
+        self.chunks = 0
+        self.first_token_at: float | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def consume(self, payload: str, on_progress: ProgressFn) -> bool:
+        """Apply one payload; True when the stream is over ([DONE] or an error)."""
+        chunk = interpret(payload, self.chat)
+        if chunk.done:
+            self.done = True
+            return True
+        if chunk.error:
+            self.error = chunk.error
+            return True
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.text:
+            if self.first_token_at is None:
+                self.first_token_at = time.time()
+            self.parts.append(chunk.text)
+            self.chunks += 1
+            on_progress(self.prompt_tokens, self.chunks)
+        return False
+
+    def result(self, sent_at: float, attempts: int) -> Generation:
+        prompt, output, reported = self.prompt_tokens, self.chunks, False
+        if self.usage is not None:
+            try:
+                prompt = int(self.usage.get("prompt_tokens", prompt))
+                output = int(self.usage.get("completion_tokens", output))
+                reported = True
+            except (TypeError, ValueError):
+                pass
+        return Generation(
+            text="".join(self.parts),
+            prompt_tokens=max(0, prompt),
+            output_tokens=max(0, output),
+            sent_at=sent_at,
+            first_token_at=self.first_token_at,
+            finished_at=time.time(),
+            error=self.error,
+            attempts=attempts,
+            usage_reported=reported,
+        )
