@@ -1,0 +1,108 @@
+"""Prometheus metrics of the router (issue 7, item 7).
+
+One registry per ``RouterMetrics`` so tests and several apps in one process do not
+collide; ``serve(port)`` exposes it over HTTP (``/metrics``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+
+
+class RouterMetrics:
+    """Counters, gauges and histograms the router updates once per window."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.batch_size = Histogram(
+            "switchyard_router_batch_size",
+            "Queries per routing window",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.decide_seconds = Histogram(
+            "switchyard_router_decide_seconds",
+            "Router.decide time per window",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.window_seconds = Histogram(
+            "switchyard_router_window_seconds",
+            "Whole window handling time (validate → produce acknowledged)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.added_latency_seconds = Histogram(
+            "switchyard_router_added_latency_seconds",
+            "Kafka timestamp of the query → its routed message acknowledged",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_lag = Gauge(
+            "switchyard_router_queue_lag_messages",
+            "queries not yet read, per partition",
+            ["partition"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "switchyard_router_decisions_total", "Final decisions by status", ["status"], registry=r
+        )
+        self.flags = Counter(
+            "switchyard_router_decision_flags_total", "Decision flags", ["flag"], registry=r
+        )
+        self.routed = Counter(
+            "switchyard_router_routed_total",
+            "Queries sent to each instance",
+            ["instance"],
+            registry=r,
+        )
+        self.spend_usd = Counter(
+            "switchyard_router_reserved_usd_total",
+            "Predicted cost reserved in the ledger",
+            ["tenant"],
+            registry=r,
+        )
+        self.slo_predicted_met = Counter(
+            "switchyard_router_slo_predicted_met_total",
+            "Routed queries whose predicted TTFT meets their SLO",
+            registry=r,
+        )
+        self.slo_predicted_total = Counter(
+            "switchyard_router_slo_predicted_total",
+            "Routed queries with a TTFT prediction",
+            registry=r,
+        )
+        self.instance_slots_used = Gauge(
+            "switchyard_router_instance_slots_used",
+            "Capacity slots held per instance",
+            ["instance"],
+            registry=r,
+        )
+        self.instance_stale = Gauge(
+            "switchyard_router_instance_stale",
+            "1 when the instance's snapshot is stale or missing",
+            ["instance"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "switchyard_router_dead_letters_total",
+            "Messages sent to dead-letters",
+            ["stage"],
+            registry=r,
+        )
+        self.held = Gauge(
+            "switchyard_router_held_queries", "Queries held for a later window", registry=r
+        )
+        self.errors = Counter(
+            "switchyard_router_window_errors_total",
+            "Windows retried after a Redis or Kafka error",
+            ["kind"],
+            registry=r,
+        )
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

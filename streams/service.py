@@ -1,0 +1,553 @@
+"""One routing window, end to end, independent of Faust (DESIGN.md "the service").
+
+``RouterService.handle`` takes the raw messages of one window and:
+
+1. validates each with ``schemas.parse_query`` — a bad one goes to ``dead-letters`` with
+   its raw bytes, the reason, topic, partition and offset; the window goes on;
+2. dedupes by query id in Redis (body SHA-256, TTL): a conflicting body is dead-lettered;
+   a duplicate already routed is dropped; a duplicate not yet routed is a redelivery
+   (the previous router died before finishing) and is routed again — the Redis
+   reservations are idempotent per query id, so it is never paid or slotted twice;
+3. reads every instance's snapshot in one pipelined call and builds the views;
+4. calls ``Router.decide`` once for the window (the service has no routing logic);
+5. reserves budget (per tenant) and capacity (per instance) atomically in Redis — a
+   reservation lost to another router sends the query to the next window;
+6. produces ``RoutedQuery`` to ``route.<instance>`` and a ``Decision`` to ``decisions``,
+   and waits until Kafka acknowledged all of them. Only then does it return, and only
+   then does the Faust adapter acknowledge the input offsets, so a crash at any point
+   re-delivers rather than loses.
+
+A query that cannot be placed now (budget paced out, every instance full, no live
+instance) is *held*: its input offset stays unacknowledged and it joins the next window,
+until ``max_hold_s`` has passed; then it gets a final ``Decision`` and an error
+``Result`` so whoever waits for it is answered. Any Redis or Kafka error makes the whole
+window retry later (nothing is acknowledged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from routing.types import Router
+from schemas import (
+    BadMessage,
+    ClusterConfig,
+    DeadLetter,
+    Decision,
+    DecisionStatus,
+    Limits,
+    Query,
+    Result,
+    parse_query,
+)
+from streams.metrics import RouterMetrics
+from streams.views import instance_views, window_budget
+from switchyard import topics
+
+log = logging.getLogger("switchyard.router")
+
+_PLACED = (DecisionStatus.ROUTED, DecisionStatus.OVER_BUDGET)
+
+
+class Sink(Protocol):
+    """Where produced messages go: ``await send(...)`` returns a future resolved on ack."""
+
+    async def send(self, topic: str, key: bytes, value: bytes) -> Awaitable[Any]: ...
+
+
+@dataclass
+class Inbound:
+    """One message off the ``queries`` topic. ``handle`` is the adapter's (a Faust event)."""
+
+    raw: bytes | None
+    topic: str
+    partition: int
+    offset: int
+    timestamp_s: float | None = None
+    handle: Any = None
+
+
+@dataclass
+class Pending:
+    """A valid, deduplicated query waiting for a decision."""
+
+    query: Query
+    raw: bytes
+    inbound: Inbound
+    first_seen_s: float
+    announced: bool = False  # a DEFERRED decision was already published for it
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Knobs of the routing window (CLI: ``switchyard router``)."""
+
+    window_s: float = 0.05
+    max_batch: int = 1000
+    stale_after_s: float = 2.0
+    dedupe_ttl_s: float = 3600.0
+    max_hold_s: float = 30.0
+    pacing_factor: float = 0.0
+    slot_lease_s: float | None = (
+        600.0  # a slot never touched by a worker for this long is reclaimed
+    )
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass
+class WindowOutcome:
+    """What one window did (for tests and the benchmark)."""
+
+    routed: int = 0
+    held: int = 0
+    dead_letters: int = 0
+    final_errors: int = 0
+    dropped_duplicates: int = 0
+
+
+class RouterService:
+    """The imperative shell around one ``Router``: Redis in, Kafka out."""
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        router: Router,
+        state: Any,
+        sink: Sink,
+        config: RouterConfig = RouterConfig(),
+        metrics: RouterMetrics | None = None,
+        on_done: Callable[[Inbound], None] | None = None,
+        period_id: Callable[[float, float], str] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.router = router
+        self.state = state
+        self.sink = sink
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self._on_done = on_done or (lambda _inbound: None)
+        self._period_id = period_id or _default_period_id
+        self._budgets = {t.tenant: t for t in cluster.tenants}
+        self._instance_ids = [i.id for i in cluster.instances]
+        self._held: list[Pending] = []
+        self._retry: list[Inbound] = []  # whole windows that failed on a Redis/Kafka error
+        self._lock = asyncio.Lock()
+        self._last_window_s = time.time()
+        self._arrivals: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ entry points
+
+    @property
+    def held_count(self) -> int:
+        return len(self._held) + len(self._retry)
+
+    async def handle(self, items: Sequence[Inbound]) -> tuple[WindowOutcome, list[Inbound]]:
+        """Route one window. Returns what it did and the inputs it did *not* finish.
+
+        The caller must keep the returned inputs unacknowledged; this service reports
+        each of them through ``on_done`` once it is finished in a later window.
+        """
+        async with self._lock:
+            return await self._window(list(items))
+
+    async def retry_held(self) -> WindowOutcome | None:
+        """Run a window for held queries only (called on a timer when traffic stops)."""
+        if not self._held and not self._retry:
+            return None
+        async with self._lock:
+            if not self._held and not self._retry:
+                return None
+            outcome, _ = await self._window([])
+            return outcome
+
+    # ------------------------------------------------------------------ one window
+
+    async def _window(self, items: list[Inbound]) -> tuple[WindowOutcome, list[Inbound]]:
+        t_start = time.perf_counter()
+        retry, self._retry = self._retry, []
+        held, self._held = self._held, []
+        batch_items = retry + items
+        outcome = WindowOutcome()
+        try:
+            outs: list[tuple[str, bytes, bytes]] = []
+            fresh = await self._validate_and_dedupe(batch_items, outs, outcome)
+            candidates = held + fresh
+            routed_marks: dict[str, str] = {}
+            latencies: list[Inbound] = []
+            still_held: list[Pending] = []
+            if candidates:
+                await self._route(candidates, outs, outcome, routed_marks, latencies, still_held)
+            await self._produce(outs)
+            if routed_marks:
+                await self._mark_routed(routed_marks)
+        except Exception as exc:  # Redis or Kafka trouble: nothing is acknowledged, retry later
+            kind = type(exc).__name__
+            self.metrics.errors.labels(kind).inc()
+            log.warning(
+                "window of %d queries will be retried: %s: %s",
+                len(batch_items) + len(held),
+                kind,
+                exc,
+            )
+            self._retry = batch_items
+            self._held = held
+            self.metrics.held.set(self.held_count)
+            await asyncio.sleep(min(1.0, self.config.window_s * 4))
+            return WindowOutcome(held=len(batch_items) + len(held)), list(items)
+
+        now = time.time()
+        for inbound in latencies:
+            if inbound.timestamp_s:
+                self.metrics.added_latency_seconds.observe(max(0.0, now - inbound.timestamp_s))
+        self._held = still_held
+        # inputs of this call that are not finished stay unacknowledged by the caller;
+        # inputs of earlier calls (held or retried) that are finished now are released here
+        pending_ids = {id(p.inbound) for p in still_held}
+        unfinished = [it for it in items if id(it) in pending_ids]
+        for it in retry + [p.inbound for p in held]:
+            if id(it) not in pending_ids:
+                self._on_done(it)
+        outcome.held = len(still_held)
+        self.metrics.held.set(self.held_count)
+        self.metrics.window_seconds.observe(time.perf_counter() - t_start)
+        return outcome, unfinished
+
+    async def _validate_and_dedupe(
+        self, items: list[Inbound], outs: list[tuple[str, bytes, bytes]], outcome: WindowOutcome
+    ) -> list[Pending]:
+        now = time.time()
+        valid: list[Pending] = []
+        seen: set[str] = set()
+        for it in items:
+            try:
+                query = parse_query(it.raw, self.config.limits)
+                if self._budgets and query.tenant not in self._budgets:
+                    raise BadMessage(
+                        f"query {query.id}: unknown tenant {query.tenant!r}; "
+                        f"known tenants: {sorted(self._budgets)}"
+                    )
+            except BadMessage as exc:
+                self._dead_letter(outs, it, exc.reason, "validate", now)
+                outcome.dead_letters += 1
+                continue
+            if query.id in seen:  # the same id twice in one window: keep the first
+                self._dead_letter(
+                    outs, it, f"query {query.id}: duplicate id in the same window", "dedupe", now
+                )
+                outcome.dead_letters += 1
+                continue
+            seen.add(query.id)
+            raw = bytes(it.raw or b"")
+            valid.append(Pending(query, raw, it, now))
+        if not valid:
+            return []
+        verdicts = await self._dedupe(valid)
+        kept: list[Pending] = []
+        for p, (verdict, routed_to) in zip(valid, verdicts, strict=True):
+            if verdict == "conflict":
+                self._dead_letter(
+                    outs,
+                    p.inbound,
+                    f"query {p.query.id}: id already used by a different query body",
+                    "dedupe",
+                    now,
+                )
+                outcome.dead_letters += 1
+            elif verdict == "duplicate" and routed_to:
+                # already routed (by us before a crash, or by another router): drop it
+                outcome.dropped_duplicates += 1
+                self.metrics.decisions.labels("duplicate").inc()
+            else:
+                kept.append(p)
+        return kept
+
+    async def _dedupe(self, pending: list[Pending]) -> list[tuple[str, str]]:
+        ttl = self.config.dedupe_ttl_s
+        shas = [hashlib.sha256(p.raw).hexdigest() for p in pending]
+        many = getattr(self.state, "dedupe_many", None)
+        if many is not None:  # one pipelined round trip when the store offers it
+            got = await many({p.query.id: sha for p, sha in zip(pending, shas, strict=True)}, ttl)
+            return [_verdict(got[p.query.id]) for p in pending]
+        res = await asyncio.gather(
+            *(
+                self.state.dedupe_ex(p.query.id, sha, ttl)
+                for p, sha in zip(pending, shas, strict=True)
+            )
+        )
+        return [_verdict(r) for r in res]
+
+    async def _route(
+        self,
+        candidates: list[Pending],
+        outs: list[tuple[str, bytes, bytes]],
+        outcome: WindowOutcome,
+        routed_marks: dict[str, str],
+        latencies: list[Inbound],
+        still_held: list[Pending],
+    ) -> None:
+        now = time.time()
+        live = await self.state.snapshots(self._instance_ids, now)
+        views, excluded = instance_views(
+            self.cluster, live, now, self.config.stale_after_s, self._arrivals
+        )
+        for spec in self.cluster.instances:
+            info = live.get(spec.id)
+            if info is not None:
+                self.metrics.instance_slots_used.labels(spec.id).set(int(info.slots_used))
+        for v in views:
+            self.metrics.instance_stale.labels(v.instance_id).set(1 if v.stale else 0)
+
+        tenants = list(dict.fromkeys(p.query.tenant for p in candidates))
+        period_ids = {
+            t: self._period_id(now, self._budgets[t].period_s)
+            for t in tenants
+            if t in self._budgets
+        }
+        spent = await self._spent(period_ids)
+        elapsed = max(self.config.window_s, now - self._last_window_s)
+        self._last_window_s = now
+        budget, tenant_windows = window_budget(
+            tenants, self._budgets, spent, period_ids, now, elapsed, self.config.pacing_factor
+        )
+
+        queries = [p.query for p in candidates]
+        self.metrics.batch_size.observe(len(queries))
+        if views:
+            t0 = time.perf_counter()
+            decisions = self.router.decide(queries, views, budget, now)
+            self.metrics.decide_seconds.observe(time.perf_counter() - t0)
+            _check_decisions(queries, decisions, {v.instance_id for v in views})
+        else:
+            reason = f"no live instance (no heartbeat from {', '.join(excluded) or 'any instance'})"
+            decisions = [_deferred(q, reason, now) for q in queries]
+
+        # reserve budget per tenant, then capacity per instance, each one atomic call
+        placed = [
+            (p, d)
+            for p, d in zip(candidates, decisions, strict=True)
+            if d.status in _PLACED and d.instance_id
+        ]
+        lost: dict[str, str] = {}  # query id -> why its reservation failed
+        by_tenant: dict[str, list[tuple[Pending, Decision]]] = {}
+        for p, d in placed:
+            by_tenant.setdefault(p.query.tenant, []).append((p, d))
+        for tenant, group in by_tenant.items():
+            tw = tenant_windows.get(tenant)
+            if tw is None:
+                continue
+            amounts = {p.query.id: float(d.predicted_cost_usd or 0.0) for p, d in group}
+            ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
+            for qid, accepted in ok.items():
+                if not accepted:
+                    lost[qid] = f"tenant {tenant} budget for period {tw.period_id} is spent"
+        by_instance: dict[str, list[tuple[Pending, Decision]]] = {}
+        for p, d in placed:
+            if p.query.id not in lost:
+                by_instance.setdefault(str(d.instance_id), []).append((p, d))
+        released: dict[tuple[str, str], list[str]] = {}
+        for instance_id, group in by_instance.items():
+            max_slots = self.cluster.model_of(instance_id).max_concurrency
+            qids = [p.query.id for p, _ in group]
+            oks = await self.state.reserve_slots(
+                instance_id, max_slots, qids, lease_s=self.config.slot_lease_s
+            )
+            for (p, _), accepted in zip(group, oks, strict=True):
+                if not accepted:
+                    lost[p.query.id] = f"instance {instance_id} is at its capacity of {max_slots}"
+                    tw = tenant_windows.get(p.query.tenant)
+                    if tw is not None:
+                        released.setdefault((p.query.tenant, tw.period_id), []).append(p.query.id)
+        for (tenant, pid), qids in released.items():
+            await self.state.release_budget(tenant, pid, qids)
+
+        for p, d in zip(candidates, decisions, strict=True):
+            q = p.query
+            pid = period_ids.get(q.tenant)
+            if d.status in _PLACED and d.instance_id and q.id not in lost:
+                d = d.model_copy(update={"budget_period": pid, "decided_at": now})
+                dec_json = d.model_dump_json(exclude_none=True).encode()
+                routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
+                key = q.id.encode()
+                outs.append((topics.route(d.instance_id), key, routed))
+                outs.append((topics.DECISIONS, key, dec_json))
+                routed_marks[q.id] = d.instance_id
+                latencies.append(p.inbound)
+                outcome.routed += 1
+                self._count_routed(d, q)
+                continue
+            reason = lost.get(q.id) or d.reason or f"router decided {d.status.value}"
+            status = DecisionStatus.DEFERRED if q.id in lost else d.status
+            if now - p.first_seen_s < self.config.max_hold_s:
+                if not p.announced:
+                    held_decision = d.model_copy(
+                        update={
+                            "status": DecisionStatus.DEFERRED,
+                            "reason": f"held for a later window: {reason}",
+                            "instance_id": None,
+                            "decided_at": now,
+                            "budget_period": pid,
+                        }
+                    )
+                    outs.append(
+                        (
+                            topics.DECISIONS,
+                            q.id.encode(),
+                            held_decision.model_dump_json(exclude_none=True).encode(),
+                        )
+                    )
+                    p.announced = True
+                still_held.append(p)
+                continue
+            final = d.model_copy(
+                update={
+                    "status": status,
+                    "reason": f"gave up after {self.config.max_hold_s:g} s: {reason}",
+                    "instance_id": None,
+                    "decided_at": now,
+                    "budget_period": pid,
+                }
+            )
+            outs.append(
+                (topics.DECISIONS, q.id.encode(), final.model_dump_json(exclude_none=True).encode())
+            )
+            result = Result(
+                query_id=q.id,
+                tenant=q.tenant,
+                instance_id="",
+                model="",
+                error=f"not routed ({status.value}): {reason}",
+                finished_at=now,
+            )
+            outs.append(
+                (topics.RESULTS, q.id.encode(), result.model_dump_json(exclude_none=True).encode())
+            )
+            routed_marks[q.id] = "-"
+            outcome.final_errors += 1
+            self.metrics.decisions.labels(status.value).inc()
+
+    async def _spent(self, period_ids: Mapping[str, str]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for tenant, pid in period_ids.items():
+            status = await self.state.budget_status(tenant, pid)
+            out[tenant] = _spent_usd(status)
+        return out
+
+    async def _mark_routed(self, marks: Mapping[str, str]) -> None:
+        many = getattr(self.state, "mark_routed_many", None)
+        if many is not None:
+            await many(dict(marks))
+            return
+        await asyncio.gather(*(self.state.mark_routed(qid, inst) for qid, inst in marks.items()))
+
+    async def _produce(self, outs: list[tuple[str, bytes, bytes]]) -> None:
+        if not outs:
+            return
+        futures = [await self.sink.send(topic, key, value) for topic, key, value in outs]
+        await asyncio.gather(*futures)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _dead_letter(
+        self, outs: list[tuple[str, bytes, bytes]], it: Inbound, reason: str, stage: str, now: float
+    ) -> None:
+        letter = DeadLetter.of(
+            raw=bytes(it.raw or b""),
+            reason=reason,
+            topic=it.topic,
+            partition=it.partition,
+            offset=it.offset,
+            received_at=now,
+            stage=stage,
+        )
+        outs.append(
+            (
+                topics.DEAD_LETTERS,
+                f"{it.topic}/{it.partition}/{it.offset}".encode(),
+                letter.model_dump_json().encode(),
+            )
+        )
+        self.metrics.dead_letters.labels(stage).inc()
+
+    def _count_routed(self, d: Decision, q: Query) -> None:
+        m = self.metrics
+        m.decisions.labels(d.status.value).inc()
+        m.routed.labels(str(d.instance_id)).inc()
+        for flag in d.flags:
+            m.flags.labels(flag.value).inc()
+        if d.predicted_cost_usd:
+            m.spend_usd.labels(q.tenant).inc(d.predicted_cost_usd)
+        if d.predicted_ttft_ms is not None:
+            m.slo_predicted_total.inc()
+            if d.predicted_ttft_ms <= q.ttft_slo_ms:
+                m.slo_predicted_met.inc()
+        inst = str(d.instance_id)
+        self._arrivals[inst] = self._arrivals.get(inst, 0.0) * 0.9 + 0.1 / max(
+            self.config.window_s, 1e-3
+        )
+
+
+def _verdict(value: Any) -> tuple[str, str]:
+    """``StateStore.dedupe`` answers a verdict, or (verdict, routed-to)."""
+    if isinstance(value, str):
+        return value, ""
+    if isinstance(value, (tuple, list)):
+        verdict = value[0]
+        routed = value[1] if len(value) > 1 else ""
+        return str(verdict), str(routed or "")
+    verdict = getattr(value, "verdict", None)
+    if verdict is not None:
+        return str(verdict), str(getattr(value, "routed", "") or "")
+    raise TypeError(f"StateStore.dedupe returned {value!r}; expected a verdict string")
+
+
+def _spent_usd(status: Any) -> float:
+    """Reserved + settled spend from ``StateStore.budget_status`` (object or mapping)."""
+    if isinstance(status, Mapping):
+        return float(status.get("reserved_usd", 0.0)) + float(status.get("spent_usd", 0.0))
+    return float(getattr(status, "reserved_usd", 0.0)) + float(getattr(status, "spent_usd", 0.0))
+
+
+def _default_period_id(now_s: float, period_s: float) -> str:
+    from state import period_id
+
+    return str(period_id(now_s, period_s))
+
+
+def _deferred(q: Query, reason: str, now: float) -> Decision:
+    return Decision(
+        query_id=q.id,
+        tenant=q.tenant,
+        status=DecisionStatus.DEFERRED,
+        policy="service",
+        decided_at=now,
+        reason=reason,
+    )
+
+
+class RouterContractError(RuntimeError):
+    """The router broke the ``Router.decide`` contract; the message says how."""
+
+
+def _check_decisions(
+    queries: Sequence[Query], decisions: Sequence[Decision], live: Iterable[str]
+) -> None:
+    if len(decisions) != len(queries):
+        raise RouterContractError(
+            f"router returned {len(decisions)} decisions for {len(queries)} queries"
+        )
+    known = set(live)
+    for q, d in zip(queries, decisions, strict=True):
+        if d.query_id != q.id:
+            raise RouterContractError(
+                f"decision for {d.query_id!r} where query {q.id!r} was expected (order)"
+            )
+        if d.status in _PLACED and d.instance_id not in known:
+            raise RouterContractError(
+                f"query {q.id}: routed to {d.instance_id!r}, not a live instance"
+            )

@@ -1,0 +1,129 @@
+"""What a router sees, built from Redis: instance views and the window budget.
+
+Pure functions (no I/O), so the rules are unit-tested without Kafka or Redis:
+
+- an instance whose heartbeat has expired is left out of the window (DESIGN.md
+  "scale-out": a silent instance gets no new work);
+- a missing snapshot, or one older than ``stale_after_s``, gives ``state=None`` and
+  ``stale=True``: routers then use the LPS average case and flag the decision;
+- free slots = the model's ``max_concurrency`` minus the slots held in Redis;
+- the window budget per tenant = min(remaining in the ledger period, pacing allowance),
+  where the allowance spends the remaining budget evenly over what is left of the
+  period, times ``pacing_factor`` (0 turns pacing off).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from routing.types import Budget, InstanceState, InstanceView
+from schemas import ClusterConfig, InstanceSnapshot, TenantBudget
+
+UNLIMITED_USD = 1e12  # Budget needs a finite number; no tenant budget configured means this
+
+
+class LiveLike(Protocol):
+    """The fields of ``state.InstanceLive`` the router reads."""
+
+    snapshot: InstanceSnapshot | None
+    slots_used: int
+    alive: bool
+    age_s: float
+
+
+def instance_views(
+    cluster: ClusterConfig,
+    live: Mapping[str, Any],
+    now: float,
+    stale_after_s: float,
+    arrival_rate_per_s: Mapping[str, float] | None = None,
+) -> tuple[list[InstanceView], list[str]]:
+    """Views for the instances that are alive, and the ids left out (no heartbeat)."""
+    views: list[InstanceView] = []
+    excluded: list[str] = []
+    rates = arrival_rate_per_s or {}
+    for spec in cluster.instances:
+        info = live.get(spec.id)
+        if info is None or not info.alive:
+            excluded.append(spec.id)
+            continue
+        model = cluster.model(spec.model)
+        snap: InstanceSnapshot | None = info.snapshot
+        age_s = float(info.age_s) if snap is not None else math.inf
+        stale = snap is None or age_s > stale_after_s or not snap.healthy
+        state = None if stale or snap is None else InstanceState.from_snapshot(snap)
+        views.append(
+            InstanceView(
+                instance_id=spec.id,
+                model=spec.model,
+                state=state,
+                free_slots=max(0, model.max_concurrency - int(info.slots_used)),
+                age_s=age_s if math.isfinite(age_s) else 1e9,
+                arrival_rate_per_s=float(rates.get(spec.id, 0.0)),
+                stale=stale,
+            )
+        )
+    return views, excluded
+
+
+@dataclass(frozen=True)
+class TenantWindow:
+    """One tenant's ledger position for this window."""
+
+    tenant: str
+    period_id: str
+    limit_usd: float
+    remaining_usd: float
+    allowance_usd: float
+
+
+def pacing_allowance(
+    remaining_usd: float,
+    elapsed_s: float,
+    period_left_s: float,
+    pacing_factor: float,
+) -> float:
+    """Money this window may spend: the even share of what is left, times the factor."""
+    if pacing_factor <= 0 or remaining_usd <= 0:
+        return max(0.0, remaining_usd)
+    share = pacing_factor * max(elapsed_s, 1e-3) / max(period_left_s, 1e-3)
+    return remaining_usd * min(1.0, share)
+
+
+def period_left_s(now: float, period_s: float) -> float:
+    """Seconds left in the ledger period containing ``now`` (periods aligned to the epoch)."""
+    return period_s - (now % period_s)
+
+
+def window_budget(
+    tenants: Iterable[str],
+    budgets: Mapping[str, TenantBudget],
+    spent_usd: Mapping[str, float],
+    period_ids: Mapping[str, str],
+    now: float,
+    elapsed_s: float,
+    pacing_factor: float,
+) -> tuple[Budget, dict[str, TenantWindow]]:
+    """The ``Budget`` handed to the router and each tenant's ledger position.
+
+    ``spent_usd`` is what the ledger holds for the tenant's current period (reserved plus
+    settled). Tenants without a configured budget are unlimited.
+    """
+    windows: dict[str, TenantWindow] = {}
+    remaining: dict[str, float] = {}
+    for tenant in dict.fromkeys(tenants):
+        spec = budgets.get(tenant)
+        if spec is None:
+            remaining[tenant] = UNLIMITED_USD
+            continue
+        left = max(0.0, spec.budget_usd - float(spent_usd.get(tenant, 0.0)))
+        allowance = pacing_allowance(
+            left, elapsed_s, period_left_s(now, spec.period_s), pacing_factor
+        )
+        windows[tenant] = TenantWindow(tenant, period_ids[tenant], spec.budget_usd, left, allowance)
+        remaining[tenant] = min(left, allowance)
+    total = sum(remaining.values()) if remaining else 0.0
+    return Budget(window_usd=min(total, UNLIMITED_USD), tenant_remaining_usd=remaining), windows
