@@ -5,6 +5,7 @@ versioned artefact file.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -32,6 +33,15 @@ ARTEFACT_VERSION = 1
 ESTIMATORS = ("knn", "gbdt", "irt")
 
 Float32Array = npt.NDArray[np.float32]
+
+
+def text_hashes(texts: Sequence[str]) -> npt.NDArray[np.uint64]:
+    """64-bit content hash per text (leakage checks between training and evaluation)."""
+    return np.fromiter(
+        (int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest(), "little") for t in texts),
+        np.uint64,
+        len(texts),
+    )
 
 
 class ArtefactError(ValueError):
@@ -74,6 +84,7 @@ class QualityPredictor:
     input_usd_per_token: FloatArray
     output_usd_per_token: FloatArray
     meta: dict[str, Any] = field(default_factory=dict)
+    seen_text_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
 
     def __post_init__(self) -> None:
         self.kappa = conformal_kappa(self.calibration_scores, self.level)
@@ -95,7 +106,13 @@ class QualityPredictor:
             input_usd_per_token=self.input_usd_per_token,
             output_usd_per_token=self.output_usd_per_token,
             meta=dict(self.meta),
+            seen_text_hashes=self.seen_text_hashes,
         )
+
+    def seen(self, texts: Sequence[str]) -> npt.NDArray[np.bool_]:
+        """Which texts were among the training (fit or calibration) queries."""
+        out: npt.NDArray[np.bool_] = np.isin(text_hashes(texts), self.seen_text_hashes)
+        return out
 
     # ------------------------------------------------------------------ predicting
 
@@ -156,6 +173,7 @@ class QualityPredictor:
             "calibration_scores": self.calibration_scores,
             "input_usd_per_token": self.input_usd_per_token,
             "output_usd_per_token": self.output_usd_per_token,
+            "seen_text_hashes": self.seen_text_hashes,
         }
         for prefix, part in (("feat", farrays), ("est", earrays), ("len", larrays)):
             for k, v in part.items():
@@ -208,6 +226,7 @@ def load_predictor(path: str | Path) -> QualityPredictor:
         input_usd_per_token=arrays["input_usd_per_token"].astype(np.float64),
         output_usd_per_token=arrays["output_usd_per_token"].astype(np.float64),
         meta=dict(header.get("meta", {})),
+        seen_text_hashes=arrays.get("seen_text_hashes", np.zeros(0, np.uint64)).astype(np.uint64),
     )
 
 
@@ -264,6 +283,9 @@ def train_predictor(
             "n_replicates": n_replicates,
             "seed": seed,
             "calibration_coverage": coverage(mean - conformal_kappa(scores, level) * (std + s0), cal_part.scores),
+            "estimator": est.name,
+            "featurizer": feat.name,
         },
+        seen_text_hashes=np.unique(text_hashes(data.texts)),
     )
     return pred
