@@ -591,6 +591,10 @@ class StateStore:
 
     # ------------------------------------------------------------------ maintenance
 
+    async def instance_down(self, instance_id: str) -> None:
+        """Drop the heartbeat now (a worker stopping cleanly): routers see it dead at once."""
+        await self._call("instance_down", self._r.delete(self.keys.heartbeat(instance_id)))
+
     async def reset_instance(self, instance_id: str) -> None:
         """Forget an instance's residents (a worker restarting: its work is re-delivered by Kafka)."""
         await self._call("reset_instance", self._r.delete(self.keys.residents(instance_id)))

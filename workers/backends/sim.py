@@ -8,11 +8,15 @@ engine's executed steps are available for online step-time recalibration.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from schemas import ModelSpec
 from workers import synth
 from workers.backends.base import EngineLoad, Generation, GenerationRequest, ProgressFn
 from workers.realtime import RealtimeEngine, timing_for_model
+
+if TYPE_CHECKING:
+    from sim.engine import StepLog
 
 
 class SimBackend:
@@ -46,6 +50,10 @@ class SimBackend:
 
     async def engine_load(self) -> EngineLoad:
         return EngineLoad(running=self.engine.n_running, waiting=self.engine.n_waiting)
+
+    def drain_steps(self) -> StepLog:
+        """Engine steps executed since the last call (reported for step-time recalibration)."""
+        return self.engine.drain_step_log()
 
     async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
         q = req.query

@@ -1,0 +1,254 @@
+"""``switchyard worker`` (one instance's consumer) and ``switchyard fake-vllm`` (a simulated vLLM server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("worker")
+    def worker(
+        instance: str = typer.Option(
+            ..., "--instance", help="Instance id (as in the cluster file)"
+        ),
+        cluster: Path = typer.Option(
+            ..., "--cluster", help="Cluster config (.yaml/.json)", exists=True, dir_okay=False
+        ),
+        backend: str = typer.Option(
+            "vllm", "--backend", help="vllm (OpenAI-compatible HTTP) or sim (in-process)"
+        ),
+        endpoint: str | None = typer.Option(
+            None, "--endpoint", help="Server base URL (default: the instance's endpoint)"
+        ),
+        concurrency: int | None = typer.Option(
+            None, "--concurrency", min=1, help="Default: the model's max_concurrency"
+        ),
+        served_model: str | None = typer.Option(
+            None, "--served-model", help="Model name the server expects"
+        ),
+        heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05),
+        metrics_port: int | None = typer.Option(
+            None, "--metrics-port", help="Serve Prometheus /metrics here"
+        ),
+        metrics_host: str = typer.Option("127.0.0.1", "--metrics-host"),
+        time_scale: float = typer.Option(
+            1.0, "--time-scale", help="sim backend: engine seconds per wall second"
+        ),
+        seed: int = typer.Option(0, "--seed"),
+        log_level: str = typer.Option("INFO", "--log-level"),
+    ) -> None:
+        """Consume route.<INSTANCE>, run the backend, publish results (at-least-once)."""
+        logging.basicConfig(
+            level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        from schemas import ClusterConfig
+        from switchyard.settings import Settings, SettingsError
+
+        try:
+            cfg = ClusterConfig.from_file(cluster)
+            spec = cfg.model_of(instance)
+            settings = Settings.from_env()
+        except (KeyError, ValueError, OSError, SettingsError) as exc:
+            raise _fail(f"{cluster}: {exc}") from None
+        try:
+            be = _backend(
+                backend, cfg, instance, spec, endpoint, served_model, time_scale, seed, concurrency
+            )
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        code = asyncio.run(
+            _run_worker(
+                cfg, instance, be, settings, concurrency, heartbeat_s, metrics_host, metrics_port
+            )
+        )
+        raise typer.Exit(code)
+
+    @app.command("fake-vllm")
+    def fake_vllm(
+        profile: str | None = typer.Option(
+            None, "--profile", help="Step-time profile, e.g. llama-2-7b-hf@h100"
+        ),
+        port: int = typer.Option(8000, "--port", min=0, max=65535),
+        host: str = typer.Option("127.0.0.1", "--host"),
+        time_scale: float = typer.Option(
+            1.0, "--time-scale", help="Engine seconds per wall second (10: 10x faster)"
+        ),
+        coefficients: str | None = typer.Option(
+            None, "--coefficients", help="Eq. 9 c0,c1,c2,c3 in ms (instead of a profile)"
+        ),
+        cluster: Path | None = typer.Option(
+            None, "--cluster", help="Take model, profile and scheduler from this file"
+        ),
+        instance: str | None = typer.Option(
+            None, "--instance", help="With --cluster: serve this instance's model"
+        ),
+        model: str | None = typer.Option(
+            None, "--model", help="Served model name (default: profile or model name)"
+        ),
+        max_model_len: int = typer.Option(32_768, "--max-model-len", min=2),
+        mean_output_tokens: float = typer.Option(128.0, "--mean-output-tokens", min=1.0),
+        error_rate: float = typer.Option(0.0, "--error-rate", min=0.0, max=1.0),
+        noise_sigma: float = typer.Option(0.0, "--noise-sigma", min=0.0),
+        seed: int = typer.Option(0, "--seed"),
+        no_usage: bool = typer.Option(
+            False, "--no-usage", help="Ignore stream_options.include_usage"
+        ),
+    ) -> None:
+        """Serve the OpenAI API (vLLM flavour) over the simulated engine in wall-clock time."""
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        from schemas import ClusterConfig, SchedulerConfig
+        from workers.fake_vllm import FakeVllmConfig, build_server
+        from workers.realtime import parse_coefficients
+
+        sched = SchedulerConfig()
+        coef: Any = None
+        served = model
+        try:
+            if cluster is not None:
+                if instance is None:
+                    raise ValueError("--cluster needs --instance")
+                spec = ClusterConfig.from_file(cluster).model_of(instance)
+                sched, coef, profile = spec.scheduler, spec.step_time, profile or spec.profile
+                served = served or spec.name
+                mean_output_tokens = spec.mean_output_tokens or mean_output_tokens
+            if coefficients is not None:
+                coef = parse_coefficients(coefficients)
+            if coef is None and not profile:
+                raise ValueError(
+                    "give --profile NAME, --coefficients c0,c1,c2,c3 or --cluster FILE --instance ID"
+                )
+            server = build_server(
+                profile=profile,
+                coefficients=coef,
+                scheduler=sched,
+                time_scale=time_scale,
+                noise_sigma=noise_sigma,
+                config=FakeVllmConfig(
+                    model=served or profile or "sim-model",
+                    max_model_len=max_model_len,
+                    mean_output_tokens=mean_output_tokens,
+                    error_rate=error_rate,
+                    honour_include_usage=not no_usage,
+                    seed=seed,
+                ),
+            )
+        except (KeyError, ValueError, OSError) as exc:
+            raise _fail(str(exc)) from None
+        asyncio.run(_serve(server, host, port))
+
+
+def _backend(
+    kind: str,
+    cfg: Any,
+    instance: str,
+    spec: Any,
+    endpoint: str | None,
+    served_model: str | None,
+    time_scale: float,
+    seed: int,
+    concurrency: int | None,
+) -> Any:
+    if kind == "vllm":
+        from workers.backends.vllm import VllmBackend, VllmConfig
+
+        url = endpoint or cfg.instance(instance).endpoint
+        if not url:
+            raise ValueError(
+                f"instance {instance!r} has no endpoint in the cluster file; pass --endpoint URL"
+            )
+        return VllmBackend(
+            VllmConfig(
+                endpoint=url,
+                model=served_model or spec.name,
+                max_connections=(concurrency or spec.max_concurrency) + 8,
+            )
+        )
+    if kind == "sim":
+        from workers.backends.sim import SimBackend
+
+        return SimBackend(spec, instance_id=instance, time_scale=time_scale, seed=seed)
+    raise ValueError(f"--backend must be vllm or sim, got {kind!r}")
+
+
+async def _run_worker(
+    cfg: Any,
+    instance: str,
+    backend: Any,
+    settings: Any,
+    concurrency: int | None,
+    heartbeat_s: float,
+    metrics_host: str,
+    metrics_port: int | None,
+) -> int:
+    from state import StateStore, StateUnavailable
+    from workers.worker import Worker, WorkerConfig, WorkerFatal
+
+    log = logging.getLogger("switchyard.worker")
+    try:
+        state = await StateStore.connect(**settings.redis_kwargs())
+    except (StateUnavailable, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 2
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    w = Worker(
+        WorkerConfig(
+            instance_id=instance,
+            concurrency=concurrency,
+            heartbeat_s=heartbeat_s,
+            metrics_host=metrics_host,
+            metrics_port=metrics_port,
+        ),
+        cfg,
+        backend,
+        settings,
+        state,
+    )
+    log.info(
+        "worker %s: %s backend, model %s, concurrency %d, Kafka %s, Redis %s",
+        instance, backend.name, w.spec.name, w.concurrency, settings.kafka, settings.redis_display(),
+    )  # fmt: skip
+    try:
+        await w.run(stop)
+    except WorkerFatal as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        await state.close()
+    log.info("worker %s stopped: %s", instance, w.counts)
+    return 0
+
+
+async def _serve(server: Any, host: str, port: int) -> None:
+    from workers.fake_vllm import start_server
+
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    running = await start_server(server, host, port)
+    print(f"fake-vllm serving {server.config.model} on {running.url}", flush=True, file=sys.stdout)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()

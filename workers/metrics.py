@@ -1,0 +1,101 @@
+"""Prometheus metrics of one worker (its own registry, so tests can run several in-process)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class WorkerMetrics:
+    def __init__(self, instance_id: str, model: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        lab = {"instance": instance_id, "model": model}
+        names = list(lab)
+
+        def g(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r)
+
+        self.in_flight = g("switchyard_worker_in_flight", "Requests running on the backend").labels(
+            **lab
+        )
+        self.queued = g(
+            "switchyard_worker_queued", "Requests received, waiting for a backend slot"
+        ).labels(**lab)
+        self._results = Counter(
+            "switchyard_worker_results", "Results published", [*names, "outcome"], registry=r
+        )
+        self.results_ok = self._results.labels(**lab, outcome="ok")
+        self.results_error = self._results.labels(**lab, outcome="error")
+        self._errors = Counter(
+            "switchyard_worker_errors", "Errors by kind", [*names, "kind"], registry=r
+        )
+        self.dead_letters = Counter(
+            "switchyard_worker_dead_letters", "Bad routed messages", names, registry=r
+        ).labels(**lab)
+        self.duplicates_skipped = Counter(
+            "switchyard_worker_duplicates_skipped",
+            "Queries skipped: result already published",
+            names,
+            registry=r,
+        ).labels(**lab)
+        self.duplicate_results = Counter(
+            "switchyard_worker_duplicate_results",
+            "Results published again (inference repeated)",
+            names,
+            registry=r,
+        ).labels(**lab)
+        self.cost_usd = Counter(
+            "switchyard_worker_cost_usd", "Cost of published results", names, registry=r
+        ).labels(**lab)
+        self.output_tokens = Counter(
+            "switchyard_worker_output_tokens", "Tokens generated", names, registry=r
+        ).labels(**lab)
+        self.ttft = Histogram(
+            "switchyard_worker_ttft_seconds",
+            "Engine TTFT (sent → first token)",
+            names,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        ).labels(**lab)
+        self.e2e = Histogram(
+            "switchyard_worker_e2e_seconds",
+            "Engine end-to-end time",
+            names,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        ).labels(**lab)
+        self._lab = lab
+
+    def error(self, kind: str) -> None:
+        self._errors.labels(**self._lab, kind=kind).inc()
+
+    def errors(self, kind: str) -> float:
+        return float(self._errors.labels(**self._lab, kind=kind)._value.get())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def serve_metrics(metrics: WorkerMetrics, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``/metrics`` on ``host:port`` (0: a free port); return the runner and the port."""
+
+    async def handler(_req: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    bound = (
+        int(server.sockets[0].getsockname()[1])
+        if server is not None and hasattr(server, "sockets")
+        else port
+    )
+    return runner, bound

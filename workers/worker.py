@@ -1,0 +1,638 @@
+"""One worker per serving instance: ``route.<id>`` → backend → ``results`` (DESIGN.md, "workers/").
+
+For every routed message, in arrival order:
+
+1. validate it as a ``RoutedQuery`` — a bad body goes to ``dead-letters`` whole (raw
+   bytes, reason, topic, partition, offset) and the stream goes on;
+2. skip it when a result for its id was already published (``StateStore.has_result``):
+   this bounds repeated inference after a crash between publishing and committing;
+3. register it as a resident request (queued), wait for one of ``max_concurrency`` backend
+   slots (FIFO), run it, and write its progress to Redis (prefilling → decoding, token
+   counts every ``progress_every_tokens``);
+4. publish its ``Result`` (idempotent producer, ``acks=all``) — an engine failure is a
+   Result with ``error`` set, never silence;
+5. settle the tenant's budget at the actual cost, drop the resident and its capacity
+   slot, mark the result published;
+6. only then may its offset be committed (``OffsetTracker``): at-least-once.
+
+Beside the stream: heartbeats with a TTL (with the engine's own running/waiting counts), a
+periodic resync of Redis residents to the worker's own view (repairs drift and rebuilds
+state after Redis lost it), observed timings for step-time recalibration
+(``workers.timings``), and Prometheus metrics.
+
+Redis being down never stops inference: state writes are best effort (counted as
+``errors{kind="state"}``); an unsettled reservation keeps the ledger conservative.
+A result that cannot be published stops the worker without committing its offset, so
+the query is re-delivered after a restart.
+
+Result times: ``ttft_ms`` and ``e2e_ms`` are measured from the query's ``created_at`` when
+the producer set it (what the user waited, routing window and Kafka included), else from
+the moment the worker received it. The engine-side TTFT is in the step-timings reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, KafkaError
+
+from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
+from schemas.parse import BadMessage, Limits, parse_model
+from state import StateStore, StateUnavailable, period_id
+from switchyard import topics
+from switchyard.settings import Settings
+from workers.backends.base import Backend, Generation, GenerationRequest
+from workers.metrics import WorkerMetrics, serve_metrics
+from workers.offsets import OffsetTracker
+from workers.timings import MAX_STEPS_PER_MESSAGE, RequestTiming, StepBatch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_RESULT_BYTES = 900_000  # under the broker's default message.max.bytes (1 MiB)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    instance_id: str
+    concurrency: int | None = None  # default: the model's max_concurrency
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float | None = None  # default: 3 heartbeats
+    resync_every: int = 5  # heartbeats between resyncs of Redis residents
+    progress_every_tokens: int = 16
+    result_ttl_s: float = 7 * 86_400.0
+    max_pending: int | None = None  # received but unfinished; default 4 x concurrency
+    drain_timeout_s: float = 30.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no endpoint; 0: a free port
+    limits: Limits = Limits()
+    report_timings: bool = True
+
+
+class WorkerFatal(RuntimeError):
+    """The worker cannot go on without risking loss (e.g. a result could not be published)."""
+
+
+class _ProgressWriter:
+    """Writes one query's latest token progress to Redis, in order, never more than one at a time."""
+
+    def __init__(self, worker: Worker, qid: str) -> None:
+        self.worker = worker
+        self.qid = qid
+        self.latest: tuple[int, int] = (0, 0)
+        self.written: tuple[int, int] = (0, 0)
+        self.task: asyncio.Task[None] | None = None
+
+    def update(self, prefilled: int, decoded: int) -> None:
+        self.latest = (prefilled, decoded)
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self.latest != self.written:
+            value = self.latest
+            await self.worker._best_effort(
+                self.worker.state.resident_progress(
+                    self.worker.instance_id, self.qid, value[0], value[1]
+                )
+            )
+            self.written = value
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            with contextlib.suppress(Exception):
+                await self.task
+
+
+class Worker:
+    """Consumes one instance's routed queries and drives its backend."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        cluster: ClusterConfig,
+        backend: Backend,
+        settings: Settings,
+        state: StateStore,
+    ) -> None:
+        self.config = config
+        self.instance_id = config.instance_id
+        self.cluster = cluster
+        self.instance = cluster.instance(config.instance_id)
+        self.spec: ModelSpec = cluster.model(self.instance.model)
+        self.backend = backend
+        self.settings = settings
+        self.state = state
+        self.concurrency = config.concurrency or self.spec.max_concurrency
+        self.max_pending = config.max_pending or 4 * self.concurrency
+        self.heartbeat_ttl_s = config.heartbeat_ttl_s or 3 * config.heartbeat_s
+        self.topic = self.instance.route_topic
+        self.metrics = WorkerMetrics(self.instance_id, self.spec.name)
+        self.metrics_port: int | None = None
+        self._sem = asyncio.Semaphore(self.concurrency)
+        self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self._residents: dict[str, ResidentRequest] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks_bg: set[asyncio.Task[None]] = set()
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._fatal: BaseException | None = None
+        self._started = asyncio.Event()
+        self.counts = {
+            "results": 0,
+            "errors": 0,
+            "dead_letters": 0,
+            "duplicates_skipped": 0,
+            "duplicate_results": 0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def started(self) -> asyncio.Event:
+        """Set once the consumer has joined its group and the first heartbeat is written."""
+        return self._started
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set, then finish in-flight work and commit. Raises ``WorkerFatal``."""
+        kw = self.settings.kafka_kwargs(client_id=f"switchyard-worker-{self.instance_id}")
+        await topics.ensure_topics(
+            kw, [self.topic, topics.RESULTS, topics.DEAD_LETTERS, topics.STEP_TIMINGS]
+        )
+        self._producer = AIOKafkaProducer(
+            **kw, acks="all", enable_idempotence=True, linger_ms=5, max_request_size=1_048_576
+        )
+        self._consumer = AIOKafkaConsumer(
+            **kw,
+            group_id=topics.worker_group(self.instance_id),
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",  # routers may write routed messages in transactions
+            max_partition_fetch_bytes=1_048_576,
+        )
+        metrics_runner = None
+        heartbeat: asyncio.Task[None] | None = None
+        await self.backend.start()
+        try:
+            await self._producer.start()
+            await self._consumer.start()
+            self._consumer.subscribe([self.topic], listener=_Rebalance(self))
+            if self.config.metrics_port is not None:
+                metrics_runner, self.metrics_port = await serve_metrics(
+                    self.metrics, self.config.metrics_host, self.config.metrics_port
+                )
+            await self._heartbeat_once(resync=True)
+            heartbeat = asyncio.create_task(
+                self._heartbeat_loop(), name=f"heartbeat-{self.instance_id}"
+            )
+            await self._consume(stop)
+        finally:
+            await self._drain()
+            if heartbeat is not None:
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+            await self._best_effort(self.state.instance_down(self.instance_id))
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+            with contextlib.suppress(Exception):
+                await self._producer.stop()
+            await self.backend.close()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
+        if self._fatal is not None:
+            raise WorkerFatal(f"worker {self.instance_id} stopped: {self._fatal}") from self._fatal
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        assert self._consumer is not None
+        consumer = self._consumer
+        paused = False
+        last_commit = time.monotonic()
+        while not stop.is_set() and self._fatal is None:
+            free = self.max_pending - len(self._tasks)
+            if free <= 0 and not paused:
+                consumer.pause(
+                    *consumer.assignment()
+                )  # keep polling (group membership) without fetching
+                paused = True
+            elif free > 0 and paused:
+                consumer.resume(*consumer.assignment())
+                paused = False
+            batch = await consumer.getmany(timeout_ms=100, max_records=max(1, free))
+            if not self._started.is_set() and consumer.assignment():
+                self._started.set()
+            for tp, records in batch.items():
+                for rec in records:
+                    self._tracker.started(tp, rec.offset)
+                    task = asyncio.create_task(self._handle(tp, rec))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            if time.monotonic() - last_commit >= 0.2:
+                await self._commit()
+                last_commit = time.monotonic()
+
+    async def _drain(self) -> None:
+        """Let in-flight work finish (bounded), then commit what is done."""
+        if self._tasks:
+            done, pending = await asyncio.wait(
+                set(self._tasks), timeout=self.config.drain_timeout_s
+            )
+            for task in pending:
+                task.cancel()  # not committed: Kafka re-delivers it
+            if pending:
+                await asyncio.wait(pending)
+                log.warning(
+                    "worker %s: %d queries unfinished at shutdown; they will be re-delivered",
+                    self.instance_id,
+                    len(pending),
+                )
+        await self._commit()
+
+    async def _commit(self) -> None:
+        if self._consumer is None:
+            return
+        offsets = self._tracker.committable()
+        if not offsets:
+            return
+        owned = self._consumer.assignment()
+        offsets = {tp: off for tp, off in offsets.items() if tp in owned}
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+            self._tracker.committed(offsets)
+        except (CommitFailedError, KafkaError) as exc:
+            # the group rebalanced: the new owner re-reads from the last commit (duplicates are skipped)
+            log.warning("worker %s: commit failed (%s); will retry", self.instance_id, exc)
+            self.metrics.error("commit")
+
+    # ------------------------------------------------------------------ one message
+
+    async def _handle(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any]) -> None:
+        try:
+            await self._process(rec)
+        except WorkerFatal as exc:
+            self._fatal = exc  # offset stays unfinished: nothing after it is committed
+            return
+        except Exception as exc:  # a bug must not silently lose the query: stop, do not commit
+            log.exception(
+                "worker %s: unexpected failure on offset %s", self.instance_id, rec.offset
+            )
+            self._fatal = exc
+            return
+        self._tracker.finished(tp, rec.offset)
+
+    async def _process(self, rec: ConsumerRecord[Any, Any]) -> None:
+        received = time.time()
+        raw: bytes | None = rec.value
+        try:
+            rq = parse_model(RoutedQuery, raw, self.config.limits, "routed query")
+        except BadMessage as exc:
+            await self._dead_letter(rec, exc.reason, received)
+            return
+        if rq.decision.instance_id is not None and rq.decision.instance_id != self.instance_id:
+            await self._dead_letter(
+                rec,
+                f"routed query {rq.query.id}: decision names instance {rq.decision.instance_id!r} "
+                f"but it arrived on {rec.topic} (instance {self.instance_id!r})",
+                received,
+            )
+            return
+        q = rq.query
+        if q.id in self._residents or await self._best_effort(
+            self.state.has_result(q.id), default=False
+        ):
+            # already running here, or its result is out: release the slot in case a router re-reserved it
+            self.metrics.duplicates_skipped.inc()
+            self.counts["duplicates_skipped"] += 1
+            if q.id not in self._residents:
+                await self._best_effort(self.state.resident_done(self.instance_id, q.id))
+            return
+        prompt_tokens = q.estimated_prompt_tokens()
+        predicted = max(
+            1,
+            int(
+                rq.decision.predicted_output_tokens
+                or q.output_cap_tokens()
+                or self.spec.mean_output_tokens
+                or 128
+            ),
+        )
+        resident = ResidentRequest(
+            query_id=q.id,
+            prompt_tokens=prompt_tokens,
+            predicted_output_tokens=predicted,
+            arrived_at=received,
+        )
+        self._residents[q.id] = resident
+        writer = _ProgressWriter(self, q.id)
+        try:
+            await self._best_effort(self.state.resident_add(self.instance_id, resident))
+            self.metrics.queued.inc()
+            acquired = False
+            try:
+                async with self._sem:
+                    acquired = True
+                    self.metrics.queued.dec()
+                    self.metrics.in_flight.inc()
+                    residents_ahead = len(self._residents) - 1
+                    try:
+                        gen = await self._generate(rq, prompt_tokens, predicted, writer)
+                    finally:
+                        self.metrics.in_flight.dec()
+            finally:
+                if not acquired:
+                    self.metrics.queued.dec()
+            await writer.wait()
+            result = self._result(rq, gen, received)
+            await self._publish(topics.RESULTS, q.id, _result_bytes(result))
+            self._observe(result, gen)
+            await self._settle(rq, result)
+            await self._best_effort(self.state.resident_done(self.instance_id, q.id))
+            first = await self._best_effort(
+                self.state.mark_result(q.id, self.config.result_ttl_s), default=True
+            )
+            if not first:
+                self.metrics.duplicate_results.inc()
+                self.counts["duplicate_results"] += 1
+            if self.config.report_timings:
+                self._report_request(q.id, gen, residents_ahead)
+        finally:
+            self._residents.pop(q.id, None)
+
+    async def _generate(
+        self, rq: RoutedQuery, prompt_tokens: int, predicted: int, writer: _ProgressWriter
+    ) -> Generation:
+        q = rq.query
+        k = max(1, self.config.progress_every_tokens)
+        last = [0, -1]  # prefilled, decoded last written
+
+        def on_progress(prefilled: int, decoded: int) -> None:
+            r = self._residents.get(q.id)
+            if r is None:
+                return
+            prefilled = min(prefilled if decoded == 0 else r.prompt_tokens, r.prompt_tokens)
+            # throttle: each prefill chunk, the first token, then every k tokens
+            if decoded == 0 and prefilled == last[0]:
+                return
+            if decoded > 0 and last[1] > 0 and decoded - last[1] < k:
+                return
+            last[0], last[1] = prefilled, decoded
+            self._residents[q.id] = r.model_copy(
+                update={"prefilled_tokens": prefilled, "decoded_tokens": decoded}
+            )
+            writer.update(prefilled, decoded)
+
+        req = GenerationRequest(q, f"{q.id}.{uuid.uuid4().hex[:8]}", prompt_tokens, predicted)
+        try:
+            return await self.backend.generate(req, on_progress)
+        except Exception as exc:  # a backend bug is still an error Result, never silence
+            log.exception(
+                "worker %s: backend %s raised on query %s",
+                self.instance_id,
+                self.backend.name,
+                q.id,
+            )
+            now = time.time()
+            return Generation(
+                "",
+                prompt_tokens,
+                0,
+                now,
+                None,
+                now,
+                error=f"backend {self.backend.name} failed: {exc!r}",
+            )
+
+    def _result(self, rq: RoutedQuery, gen: Generation, received: float) -> Result:
+        q = rq.query
+        origin = received
+        if q.created_at is not None and 0 < q.created_at <= gen.finished_at:
+            origin = q.created_at
+        ttft_ms = (
+            None if gen.first_token_at is None else max(0.0, (gen.first_token_at - origin) * 1000.0)
+        )
+        cost = (
+            self.spec.cost_usd(gen.prompt_tokens, gen.output_tokens)
+            if gen.output_tokens > 0
+            else 0.0
+        )
+        slo_met = False if gen.error is not None or ttft_ms is None else ttft_ms <= q.ttft_slo_ms
+        return Result(
+            query_id=q.id,
+            tenant=q.tenant,
+            instance_id=self.instance_id,
+            model=self.spec.name,
+            text=gen.text,
+            ttft_ms=ttft_ms,
+            e2e_ms=max(0.0, (gen.finished_at - origin) * 1000.0),
+            prompt_tokens=gen.prompt_tokens,
+            output_tokens=gen.output_tokens,
+            cost_usd=cost,
+            slo_met=slo_met,
+            error=gen.error,
+            attempt=max(1, gen.attempts),
+            finished_at=gen.finished_at,
+        )
+
+    def _observe(self, result: Result, gen: Generation) -> None:
+        self.counts["results"] += 1
+        if result.error is None:
+            self.metrics.results_ok.inc()
+        else:
+            self.counts["errors"] += 1
+            self.metrics.results_error.inc()
+            self.metrics.error("backend")
+            log.warning(
+                "worker %s: query %s failed: %s", self.instance_id, result.query_id, result.error
+            )
+        self.metrics.cost_usd.inc(result.cost_usd)
+        self.metrics.output_tokens.inc(result.output_tokens)
+        if gen.engine_ttft_ms is not None:
+            self.metrics.ttft.observe(gen.engine_ttft_ms / 1000.0)
+        self.metrics.e2e.observe(max(0.0, gen.finished_at - gen.sent_at))
+
+    async def _settle(self, rq: RoutedQuery, result: Result) -> None:
+        period = rq.decision.budget_period
+        if period is None:
+            budget = next((t for t in self.cluster.tenants if t.tenant == rq.query.tenant), None)
+            if budget is None:
+                return  # no ledger for this tenant
+            period = period_id(rq.decision.decided_at, budget.period_s)
+        for attempt in range(3):
+            try:
+                await self.state.settle(rq.query.tenant, period, rq.query.id, result.cost_usd)
+                return
+            except StateUnavailable as exc:
+                if attempt == 2:
+                    # the reservation stays booked: conservative, never an overspend
+                    log.error(
+                        "worker %s: could not settle %s: %s", self.instance_id, rq.query.id, exc
+                    )
+                    self.metrics.error("state")
+                    return
+                await asyncio.sleep(0.2 * 2**attempt)
+
+    # ------------------------------------------------------------------ Kafka output
+
+    async def _publish(self, topic: str, key: str, value: bytes) -> None:
+        assert self._producer is not None
+        try:
+            await self._producer.send_and_wait(topic, value=value, key=key.encode())
+        except KafkaError as exc:
+            self.metrics.error("publish")
+            raise WorkerFatal(f"cannot publish to {topic}: {exc!r}") from exc
+
+    async def _dead_letter(
+        self, rec: ConsumerRecord[Any, Any], reason: str, received: float
+    ) -> None:
+        raw = rec.value if isinstance(rec.value, bytes | bytearray) else b""
+        dl = DeadLetter.of(
+            bytes(raw), reason, rec.topic, rec.partition, rec.offset, received, stage="worker"
+        )
+        await self._publish(
+            topics.DEAD_LETTERS,
+            f"{rec.topic}:{rec.partition}:{rec.offset}",
+            dl.model_dump_json().encode(),
+        )
+        self.metrics.dead_letters.inc()
+        self.counts["dead_letters"] += 1
+        log.warning(
+            "worker %s: dead letter at %s[%d]@%d: %s",
+            self.instance_id,
+            rec.topic,
+            rec.partition,
+            rec.offset,
+            reason,
+        )
+
+    def _send_nowait(self, topic: str, key: str, value: bytes) -> None:
+        """Fire-and-forget (timings are advisory): failures are counted, never fatal."""
+        if self._producer is None:
+            return
+
+        async def go() -> None:
+            try:
+                assert self._producer is not None
+                await self._producer.send_and_wait(topic, value=value, key=key.encode())
+            except Exception:
+                self.metrics.error("timings")
+
+        task = asyncio.create_task(go())
+        self._tasks_bg.add(task)
+        task.add_done_callback(self._tasks_bg.discard)
+
+    def _report_request(self, qid: str, gen: Generation, residents_ahead: int) -> None:
+        tpot = None
+        if gen.first_token_at is not None and gen.output_tokens > 1:
+            tpot = max(
+                0.0, (gen.finished_at - gen.first_token_at) * 1000.0 / (gen.output_tokens - 1)
+            )
+        if gen.error is not None:
+            return
+        rt = RequestTiming(
+            instance_id=self.instance_id,
+            model=self.spec.name,
+            query_id=qid,
+            at=time.time(),
+            prompt_tokens=gen.prompt_tokens,
+            output_tokens=gen.output_tokens,
+            engine_ttft_ms=gen.engine_ttft_ms,
+            engine_e2e_ms=max(0.0, (gen.finished_at - gen.sent_at) * 1000.0),
+            tpot_ms=tpot,
+            residents_ahead=residents_ahead,
+            backend=self.backend.name,
+        )
+        self._send_nowait(topics.STEP_TIMINGS, self.instance_id, rt.model_dump_json().encode())
+
+    def _report_steps(self) -> None:
+        drain = getattr(self.backend, "drain_steps", None)
+        if drain is None or not self.config.report_timings:
+            return
+        steps = drain()
+        n = len(steps.duration_ms)
+        for start in range(0, n, MAX_STEPS_PER_MESSAGE):
+            sl = slice(start, start + MAX_STEPS_PER_MESSAGE)
+            batch = StepBatch(
+                instance_id=self.instance_id,
+                model=self.spec.name,
+                at=time.time(),
+                n_tokens=steps.n_tokens[sl].tolist(),
+                decode_ctx_tokens=steps.decode_ctx_tokens[sl].tolist(),
+                prefill_attn_units=steps.prefill_attn_units[sl].tolist(),
+                duration_ms=steps.duration_ms[sl].tolist(),
+            )
+            self._send_nowait(
+                topics.STEP_TIMINGS, self.instance_id, batch.model_dump_json().encode()
+            )
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _heartbeat_loop(self) -> None:
+        n = 0
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            n += 1
+            await self._heartbeat_once(resync=n % max(1, self.config.resync_every) == 0)
+            self._report_steps()
+
+    async def _heartbeat_once(self, resync: bool) -> None:
+        load = await self.backend.engine_load()
+        await self._best_effort(
+            self.state.heartbeat(
+                self.instance_id,
+                self.spec.name,
+                self.heartbeat_ttl_s,
+                self.concurrency,
+                engine_running=load.running,
+                engine_waiting=load.waiting,
+            )
+        )
+        if resync:
+            # the worker's own view is the truth: repairs drift and rebuilds after Redis lost state
+            await self._best_effort(
+                self.state.residents_sync(self.instance_id, list(self._residents.values()))
+            )
+
+    async def _best_effort(self, aw: Awaitable[T], default: Any = None) -> Any:
+        try:
+            return await aw
+        except StateUnavailable as exc:
+            self.metrics.error("state")
+            log.debug("worker %s: state write skipped: %s", self.instance_id, exc)
+            return default
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.worker._commit()
+        self.worker._tracker.forget(list(revoked))
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        return None
+
+
+def _result_bytes(result: Result) -> bytes:
+    """The Result's JSON, with its text cut to fit one Kafka message (marked as cut)."""
+    body = result.model_dump_json().encode()
+    if len(body) <= MAX_RESULT_BYTES:
+        return body
+    over = len(body) - MAX_RESULT_BYTES
+    keep = max(0, len(result.text.encode()) - over - 200)
+    text = result.text.encode()[:keep].decode("utf-8", "ignore")
+    cut = result.model_copy(
+        update={"text": text + f" …[truncated {len(result.text) - len(text)} characters]"}
+    )
+    return cut.model_dump_json().encode()
