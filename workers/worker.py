@@ -141,6 +141,9 @@ class Worker:
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._residents: dict[str, ResidentRequest] = {}
+        # resident add/done and the periodic resync are serialised, so a resync built from an
+        # older view can never re-add a resident that is already done
+        self._resident_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._tasks_bg: set[asyncio.Task[None]] = set()
         self._producer: AIOKafkaProducer | None = None
@@ -333,10 +336,11 @@ class Worker:
             predicted_output_tokens=predicted,
             arrived_at=received,
         )
-        self._residents[q.id] = resident
         writer = _ProgressWriter(self, q.id)
-        try:
+        async with self._resident_lock:
+            self._residents[q.id] = resident
             await self._best_effort(self.state.resident_add(self.instance_id, resident))
+        try:
             self.metrics.queued.inc()
             acquired = False
             try:
@@ -357,7 +361,7 @@ class Worker:
             await self._publish(topics.RESULTS, q.id, _result_bytes(result))
             self._observe(result, gen)
             await self._settle(rq, result)
-            await self._best_effort(self.state.resident_done(self.instance_id, q.id))
+            await self._resident_done(q.id)
             first = await self._best_effort(
                 self.state.mark_result(q.id, self.config.result_ttl_s), default=True
             )
@@ -367,7 +371,14 @@ class Worker:
             if self.config.report_timings:
                 self._report_request(q.id, gen, residents_ahead)
         finally:
-            self._residents.pop(q.id, None)
+            if q.id in self._residents:  # failed before done (cancelled at shutdown, fatal error)
+                async with self._resident_lock:
+                    self._residents.pop(q.id, None)
+
+    async def _resident_done(self, qid: str) -> None:
+        async with self._resident_lock:
+            self._residents.pop(qid, None)
+            await self._best_effort(self.state.resident_done(self.instance_id, qid))
 
     async def _generate(
         self, rq: RoutedQuery, prompt_tokens: int, predicted: int, writer: _ProgressWriter
@@ -599,9 +610,9 @@ class Worker:
         )
         if resync:
             # the worker's own view is the truth: repairs drift and rebuilds after Redis lost state
-            await self._best_effort(
-                self.state.residents_sync(self.instance_id, list(self._residents.values()))
-            )
+            async with self._resident_lock:
+                view = list(self._residents.values())
+                await self._best_effort(self.state.residents_sync(self.instance_id, view))
 
     async def _best_effort(self, aw: Awaitable[T], default: Any = None) -> Any:
         try:

@@ -1,0 +1,390 @@
+"""The worker end to end on the real Kafka broker and Redis, against a real HTTP server
+(fake vLLM over the simulated engine): a result for every query, state transitions visible
+in Redis while running, the budget settled at the actual cost, dead letters for bad bodies,
+error Results when the backend is down, duplicates skipped, offsets committed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import (
+    ClusterConfig,
+    DeadLetter,
+    Decision,
+    Query,
+    Result,
+    RoutedQuery,
+    StepTimeCoefficients,
+)
+from state import StateStore, period_id
+from switchyard import topics
+from switchyard.client import SwitchyardClient
+from switchyard.services import free_port
+from switchyard.settings import Settings
+from workers.backends.sim import SimBackend
+from workers.backends.vllm import VllmBackend, VllmConfig
+from workers.fake_vllm import FakeVllmConfig, build_server, start_server
+from workers.timings import RequestTiming, StepBatch, parse_report
+from workers.worker import Worker, WorkerConfig
+
+pytestmark = pytest.mark.integration
+
+COEF = StepTimeCoefficients(
+    c0_ms=4.0, c1_ms_per_token=0.02, c2_ms_per_ctx_token=0.0001, c3_ms_per_attn_unit=1e-6
+)
+IN_USD, OUT_USD = 1e-6, 2e-6
+
+
+def _cluster(instance_id: str, max_concurrency: int = 4) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "input_usd_per_token": IN_USD,
+                    "output_usd_per_token": OUT_USD,
+                    "max_concurrency": max_concurrency,
+                    "step_time": COEF.model_dump(),
+                }
+            ],
+            "instances": [{"id": instance_id, "model": "tiny"}],
+            "tenants": [{"tenant": "acme", "budget_usd": 10.0, "period_s": 3600}],
+        }
+    )
+
+
+def _routed(
+    qid: str, instance_id: str, period: str, *, chat: bool = False, max_tokens: int = 24
+) -> RoutedQuery:
+    now = time.time()
+    if chat:
+        q = Query(
+            id=qid,
+            tenant="acme",
+            messages=[{"role": "user", "content": "tell me " * 40}],
+            max_tokens=max_tokens,
+            created_at=now,
+        )
+    else:
+        q = Query(
+            id=qid, tenant="acme", prompt="word " * 200, max_tokens=max_tokens, created_at=now
+        )
+    d = Decision(
+        query_id=qid,
+        tenant="acme",
+        status="routed",
+        instance_id=instance_id,
+        model="tiny",
+        policy="test",
+        decided_at=now,
+        budget_period=period,
+        predicted_output_tokens=max_tokens,
+        predicted_cost_usd=0.01,
+    )
+    return RoutedQuery(query=q, decision=d)
+
+
+@pytest.fixture
+async def env(kafka_bootstrap: str, redis_url: str) -> AsyncIterator[dict[str, Any]]:
+    ns = "w" + uuid.uuid4().hex[:10]
+    settings = Settings(kafka=kafka_bootstrap, redis=redis_url, namespace=ns)
+    state = await StateStore.connect(**settings.redis_kwargs())
+    producer = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
+    )
+    await producer.start()
+    client = SwitchyardClient(settings=settings)
+    await client.start()
+    cleanup: list[Any] = []
+    yield {
+        "settings": settings,
+        "state": state,
+        "producer": producer,
+        "client": client,
+        "cleanup": cleanup,
+    }
+    for fn in cleanup:
+        await fn()
+    await client.close()
+    await producer.stop()
+    await state.close()
+
+
+async def _produce(producer: AIOKafkaProducer, topic: str, values: list[bytes]) -> None:
+    await topics.ensure_topics({"bootstrap_servers": producer.client._bootstrap_servers}, [topic])
+    futs = [await producer.send(topic, value=v, key=b"k") for v in values]
+    await asyncio.gather(*futs)
+
+
+@contextlib.asynccontextmanager
+async def running(worker: Worker) -> AsyncIterator[asyncio.Event]:
+    """Run ``worker`` until the block ends (or sets the yielded event); always stops it."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        async with asyncio.timeout(30):
+            while not worker.started.is_set():
+                if task.done():
+                    await task
+                await asyncio.sleep(0.05)
+        yield stop
+    finally:
+        stop.set()
+        await task
+
+
+async def _read_topic(
+    bootstrap: str, topic: str, enough: Any, match: Any, timeout_s: float = 20
+) -> list[Any]:
+    """Records of ``topic`` that ``match`` maps to non-None, read until ``enough(out)``."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    out: list[Any] = []
+    try:
+        parts = consumer.partitions_for_topic(topic) or {0}
+        consumer.assign([TopicPartition(topic, p) for p in parts])
+        await consumer.seek_to_beginning()
+        async with asyncio.timeout(timeout_s):
+            while not enough(out):
+                batch = await consumer.getmany(timeout_ms=200)
+                for recs in batch.values():
+                    out.extend(x for r in recs if (x := match(r.value)) is not None)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
+    env: dict[str, Any], kafka_bootstrap: str
+) -> None:
+    iid = "it-" + uuid.uuid4().hex[:8]
+    cluster = _cluster(iid, max_concurrency=4)
+    state: StateStore = env["state"]
+    period = period_id(time.time(), 3600)
+    # the engine at a quarter of real speed: requests last long enough to watch them
+    server = await start_server(
+        build_server(coefficients=COEF, time_scale=0.25, config=FakeVllmConfig(model="tiny"))
+    )
+    env["cleanup"].append(server.stop)
+    n = 24
+    queries = [
+        _routed(f"{iid}-q{i}", iid, period, chat=i % 3 == 0, max_tokens=16 + i % 5)
+        for i in range(n)
+    ]
+    reserved = await state.reserve_budget(
+        "acme", period, 10.0, {rq.query.id: 0.01 for rq in queries}
+    )
+    assert all(reserved.values())
+    assert all(await state.reserve_slots(iid, n, [rq.query.id for rq in queries]))
+    bad = [b"{not json", json.dumps({"query": {"id": "x"}, "decision": {}}).encode()]
+    wrong = _routed(f"{iid}-elsewhere", "other-instance", period).model_dump_json().encode()
+    route = topics.route(iid)
+    await _produce(
+        env["producer"],
+        route,
+        [rq.model_dump_json().encode() for rq in queries[:12]] + bad + [wrong],
+    )
+    await _produce(env["producer"], route, [rq.model_dump_json().encode() for rq in queries[12:]])
+
+    backend = VllmBackend(VllmConfig(endpoint=server.url, model="tiny"))
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.2, progress_every_tokens=4, metrics_port=0),
+        cluster,
+        backend,
+        env["settings"],
+        state,
+    )
+    async with running(worker):
+        seen: dict[str, set[tuple[int, int]]] = {}
+        max_residents = 0
+
+        async def watch() -> None:
+            nonlocal max_residents
+            while True:
+                live = (await state.snapshots([iid], time.time()))[iid]
+                if live.snapshot is not None:
+                    max_residents = max(max_residents, len(live.snapshot.residents))
+                    for r in live.snapshot.residents:
+                        seen.setdefault(r.query_id, set()).add(
+                            (r.prefilled_tokens, r.decoded_tokens)
+                        )
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        client: SwitchyardClient = env["client"]
+        results: dict[str, Result] = {}
+        async with asyncio.timeout(40):
+            for rq in queries:
+                results[rq.query.id] = await client.result(rq.query.id, timeout_s=40)
+        watcher.cancel()
+
+        # every query: exactly one result, real token counts, cost from the model's prices
+        assert len(results) == n
+        for rq in queries:
+            r = results[rq.query.id]
+            assert r.error is None, r.error
+            assert r.output_tokens == rq.query.max_tokens
+            assert r.instance_id == iid and r.model == "tiny" and r.tenant == "acme"
+            assert r.ttft_ms is not None and 0 < r.ttft_ms <= r.e2e_ms  # type: ignore[operator]
+            assert r.cost_usd == pytest.approx(IN_USD * r.prompt_tokens + OUT_USD * r.output_tokens)
+            assert len(r.text.split()) == r.output_tokens
+        # state transitions were visible in Redis while running: queued, then decoding with counts
+        assert max_residents > worker.concurrency  # queued residents beyond the running ones
+        phases = [p for obs in seen.values() for p in obs]
+        assert any(d == 0 and f == 0 for f, d in phases), "no queued resident seen"
+        assert any(d > 0 for f, d in phases), "no decoding resident seen"
+        assert all(d == 0 or f > 0 for f, d in phases)
+        # done: no residents, every slot released, ledger settled at the actual cost
+        await asyncio.sleep(0.3)
+        live = (await state.snapshots([iid], time.time()))[iid]
+        assert live.alive and live.snapshot is not None and live.snapshot.residents == []
+        assert live.slots_used == 0
+        status = await state.budget_status("acme", period)
+        assert status.reserved_usd == 0.0
+        assert status.spent_usd == pytest.approx(
+            sum(r.cost_usd for r in results.values()), abs=1e-8
+        )
+        assert status.n_settled == n
+
+        # a re-delivered query whose result is out is skipped, not run again
+        await _produce(env["producer"], route, [queries[0].model_dump_json().encode()])
+        async with asyncio.timeout(10):
+            while worker.counts["duplicates_skipped"] < 1:
+                await asyncio.sleep(0.05)
+        assert worker.counts["results"] == n
+
+        # metrics endpoint
+        import httpx
+
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://127.0.0.1:{worker.metrics_port}/metrics")).text
+        assert (
+            f'switchyard_worker_results_total{{instance="{iid}",model="tiny",outcome="ok"}} {float(n)}'
+            in text
+        )
+        assert "switchyard_worker_ttft_seconds_bucket" in text
+        assert (
+            f'switchyard_worker_duplicates_skipped_total{{instance="{iid}",model="tiny"}} 1.0'
+            in text
+        )
+
+    assert worker.counts["dead_letters"] == 3
+    assert not (await state.snapshots([iid], time.time()))[
+        iid
+    ].alive  # a clean stop drops the heartbeat
+
+    # dead letters carry the raw bytes, the reason, topic, partition and offset
+    def mine(raw: bytes) -> DeadLetter | None:
+        dl = DeadLetter.model_validate_json(raw)
+        return dl if dl.topic == route else None
+
+    dls = await _read_topic(kafka_bootstrap, topics.DEAD_LETTERS, lambda out: len(out) >= 3, mine)
+    assert sorted(dl.raw() for dl in dls) == sorted([*bad, wrong])
+    assert {dl.offset for dl in dls} == {12, 13, 14} and all(dl.stage == "worker" for dl in dls)
+    reasons = " | ".join(dl.reason for dl in dls)
+    assert "malformed JSON" in reasons and "decision names instance 'other-instance'" in reasons
+
+    # every offset was committed after its result: a new consumer in the group has nothing left
+    probe = AIOKafkaConsumer(
+        bootstrap_servers=kafka_bootstrap,
+        group_id=topics.worker_group(iid),
+        enable_auto_commit=False,
+    )
+    await probe.start()
+    try:
+        committed = await probe.committed(TopicPartition(route, 0))
+    finally:
+        await probe.stop()
+    assert committed == n + 3 + 1
+
+
+async def test_backend_down_gives_error_results_and_releases_budget(env: dict[str, Any]) -> None:
+    iid = "down-" + uuid.uuid4().hex[:8]
+    state: StateStore = env["state"]
+    period = period_id(time.time(), 3600)
+    queries = [_routed(f"{iid}-q{i}", iid, period) for i in range(3)]
+    await state.reserve_budget("acme", period, 10.0, {rq.query.id: 0.5 for rq in queries})
+    await _produce(
+        env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
+    )
+    dead = f"http://127.0.0.1:{free_port()}"
+    backend = VllmBackend(VllmConfig(endpoint=dead, model="tiny", retries=2, backoff_s=0.01))
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.2),
+        _cluster(iid),
+        backend,
+        env["settings"],
+        state,
+    )
+    client: SwitchyardClient = env["client"]
+    async with running(worker):
+        results = [await client.result(rq.query.id, timeout_s=20) for rq in queries]
+    for r in results:
+        assert r.error is not None and f"cannot connect to {dead} after 3 attempts" in r.error
+        assert (
+            r.output_tokens == 0 and r.cost_usd == 0.0 and r.slo_met is False and r.ttft_ms is None
+        )
+    status = await state.budget_status("acme", period)
+    assert (status.reserved_usd, status.spent_usd, status.n_settled) == (0.0, 0.0, 3)
+    assert worker.counts["errors"] == 3
+
+
+async def test_sim_backend_and_step_timings(env: dict[str, Any], kafka_bootstrap: str) -> None:
+    iid = "sim-" + uuid.uuid4().hex[:8]
+    cluster = _cluster(iid, max_concurrency=8)
+    state: StateStore = env["state"]
+    period = period_id(time.time(), 3600)
+    queries = [_routed(f"{iid}-q{i}", iid, period, max_tokens=10 + i) for i in range(6)]
+    await _produce(
+        env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
+    )
+    backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.1), cluster, backend, env["settings"], state
+    )
+    client: SwitchyardClient = env["client"]
+    async with running(worker):
+        results = {rq.query.id: await client.result(rq.query.id, timeout_s=20) for rq in queries}
+        await asyncio.sleep(0.3)  # one more heartbeat publishes the last steps
+    assert all(
+        r.error is None and r.output_tokens == rq.query.max_tokens
+        for rq, r in zip(queries, results.values(), strict=True)
+    )
+
+    def mine(raw: bytes) -> Any:
+        rep = parse_report(raw)
+        return rep if rep.instance_id == iid else None
+
+    def enough(out: list[Any]) -> bool:
+        return (
+            any(isinstance(r, StepBatch) for r in out)
+            and sum(isinstance(r, RequestTiming) for r in out) >= 6
+        )
+
+    reports = await _read_topic(kafka_bootstrap, topics.STEP_TIMINGS, enough, mine)
+    steps = [r for r in reports if isinstance(r, StepBatch)]
+    requests = [r for r in reports if isinstance(r, RequestTiming)]
+    assert {r.query_id for r in requests} == set(results)
+    assert all(
+        r.engine_ttft_ms is not None and r.engine_ttft_ms > 0 and r.backend == "sim"
+        for r in requests
+    )
+    assert sum(len(b.duration_ms) for b in steps) > 10
+    # the reported steps are priced by Eq. 9 with the model's own coefficients (no noise)
+    from routing.steptime import StepTimeModel
+
+    model = StepTimeModel.from_coefficients(COEF)
+    for batch in steps:
+        predicted = model.step_ms(batch.n_tokens, batch.decode_ctx_tokens, batch.prefill_attn_units)
+        assert predicted == pytest.approx(batch.duration_ms, rel=1e-6)
