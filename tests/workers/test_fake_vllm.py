@@ -1,0 +1,270 @@
+"""The fake vLLM server over HTTP, and the vLLM backend against it: OpenAI streaming format,
+usage or counted chunks, errors with readable messages, engine gauges, the CLI process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from aiohttp import web
+
+from schemas import Query, StepTimeCoefficients
+from switchyard.services import free_port
+from workers.backends.base import GenerationRequest
+from workers.backends.vllm import VllmBackend, VllmConfig
+from workers.fake_vllm import FakeVllmConfig, RunningServer, build_server, start_server
+from workers.sse import SSEParser
+
+COEF = StepTimeCoefficients(
+    c0_ms=2.0, c1_ms_per_token=0.01, c2_ms_per_ctx_token=0.0, c3_ms_per_attn_unit=0.0
+)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RunningServer]:
+    s = await start_server(
+        build_server(
+            coefficients=COEF, time_scale=4.0, config=FakeVllmConfig(model="m", max_model_len=4096)
+        )
+    )
+    yield s
+    await s.stop()
+
+
+def _req(q: Query) -> GenerationRequest:
+    return GenerationRequest(
+        q, q.id + ".1", q.estimated_prompt_tokens(), q.output_cap_tokens() or 16
+    )
+
+
+async def test_streaming_completion_format(server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=server.url) as c:
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": "abc " * 50,
+                "max_tokens": 7,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = SSEParser().feed(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [ch["choices"][0]["text"] for ch in chunks if ch["choices"]]
+    assert len(texts) == 7 and all(t.startswith(" ") for t in texts)
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 50,
+        "completion_tokens": 7,
+        "total_tokens": 57,
+    }
+
+
+async def test_non_streaming_chat_and_models(server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=server.url) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hey"}], "max_tokens": 4},
+        )
+        models = (await c.get("/v1/models")).json()
+        health = await c.get("/health")
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 4
+    assert (
+        body["choices"][0]["message"]["role"] == "assistant"
+        and len(body["choices"][0]["message"]["content"].split()) == 4
+    )
+    assert models["data"][0]["id"] == "m" and health.status_code == 200
+
+
+async def test_bad_requests_get_openai_errors(server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=server.url) as c:
+        cases = [
+            (await c.post("/v1/completions", content=b"{nope"), 400, "not valid JSON"),
+            (await c.post("/v1/completions", json={"max_tokens": 3}), 400, "prompt is required"),
+            (
+                await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}),
+                400,
+                "max_tokens must be an integer >= 1",
+            ),
+            (
+                await c.post("/v1/completions", json={"prompt": "x", "model": "other"}),
+                404,
+                "The model `other` does not exist",
+            ),
+            (
+                await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5000}),
+                400,
+                "maximum context length is 4096",
+            ),
+            (
+                await c.post("/v1/chat/completions", json={"messages": []}),
+                400,
+                "messages must be a non-empty list",
+            ),
+        ]
+    for resp, status, text in cases:
+        assert resp.status_code == status
+        assert text in resp.json()["error"]["message"]
+
+
+async def test_backend_ttft_usage_and_gauges_while_running(server: RunningServer) -> None:
+    backend = VllmBackend(VllmConfig(endpoint=server.url + "/v1", model="m"))
+    await backend.start()
+    try:
+        qs = [Query(id=f"q{i}", prompt="word " * 400, max_tokens=200) for i in range(6)]
+        progress: dict[str, list[tuple[int, int]]] = {q.id: [] for q in qs}
+        tasks = [
+            asyncio.create_task(
+                backend.generate(_req(q), lambda p, d, k=q.id: progress[k].append((p, d)))
+            )
+            for q in qs
+        ]
+        await asyncio.sleep(0.02)
+        load = await backend.engine_load()
+        gens = await asyncio.gather(*tasks)
+    finally:
+        await backend.close()
+    assert (
+        load.running is not None and load.waiting is not None and load.running + load.waiting == 6
+    )
+    for q, g in zip(qs, gens, strict=True):
+        assert (
+            g.error is None
+            and g.usage_reported
+            and g.output_tokens == 40
+            and g.prompt_tokens == 500
+        )
+        assert g.first_token_at is not None and g.sent_at < g.first_token_at <= g.finished_at
+        assert [d for _, d in progress[q.id]] == list(range(1, 201))  # one progress call per token
+
+
+async def test_backend_counts_chunks_when_usage_is_ignored() -> None:
+    srv = await start_server(
+        build_server(
+            coefficients=COEF,
+            time_scale=4.0,
+            config=FakeVllmConfig(model="m", honour_include_usage=False),
+        )
+    )
+    backend = VllmBackend(VllmConfig(endpoint=srv.url, model="m"))
+    await backend.start()
+    try:
+        g = await backend.generate(
+            _req(Query(id="c", messages=[{"role": "user", "content": "hi"}], max_tokens=9)),
+            lambda p, d: None,
+        )
+    finally:
+        await backend.close()
+        await srv.stop()
+    assert (
+        g.error is None
+        and not g.usage_reported
+        and g.output_tokens == 9
+        and len(g.text.split()) == 9
+    )
+
+
+async def test_backend_http_errors_and_broken_streams_become_errors(server: RunningServer) -> None:
+    backend = VllmBackend(VllmConfig(endpoint=server.url, model="not-served"))
+    await backend.start()
+    try:
+        g = await backend.generate(_req(Query(id="e", prompt="x", max_tokens=3)), lambda p, d: None)
+    finally:
+        await backend.close()
+    assert g.error is not None and g.error.startswith(
+        f"HTTP 404 from {server.url}/v1/completions: The model `not-served`"
+    )
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"text":" a"}]}\n\n')
+        return resp  # ends without [DONE]
+
+    async def fails(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "engine died"}}, status=500)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", broken)
+    app.router.add_post("/v1/chat/completions", fails)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    backend = VllmBackend(VllmConfig(endpoint=f"http://127.0.0.1:{port}", model="m"))
+    await backend.start()
+    try:
+        g1 = await backend.generate(
+            _req(Query(id="b", prompt="x", max_tokens=3)), lambda p, d: None
+        )
+        g2 = await backend.generate(
+            _req(Query(id="f", messages=[{"role": "user", "content": "x"}])), lambda p, d: None
+        )
+    finally:
+        await backend.close()
+        await runner.cleanup()
+    assert (
+        g1.error is not None
+        and "ended without [DONE]" in g1.error
+        and g1.text == " a"
+        and g1.output_tokens == 1
+    )
+    assert g2.error == f"HTTP 500 from http://127.0.0.1:{port}/v1/chat/completions: engine died"
+
+
+def test_fake_vllm_command_serves_until_sigterm() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "switchyard.cli",
+            "fake-vllm",
+            "--coefficients",
+            "2,0.01,0,0",
+            "--port",
+            str(port),
+            "--model",
+            "m",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"fake-vllm serving m on http://127.0.0.1:{port}" in line
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            timeout=10,
+        )
+        assert r.json()["usage"]["completion_tokens"] == 2
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'vllm:num_requests_running{model_name="m"} 0.0' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)  # by pid: the process this test started
+        assert proc.wait(timeout=15) == 0
+
+
+def test_fake_vllm_command_rejects_missing_timing() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "switchyard.cli", "fake-vllm", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "give --profile NAME, --coefficients" in proc.stderr

@@ -1,0 +1,200 @@
+"""Pure pieces of the worker: offset commits, request bodies, engine metrics, synthetic output,
+settings and topic names."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas import Query, Result
+from switchyard import topics
+from switchyard.settings import Settings, SettingsError, redact_url
+from workers import synth
+from workers.backends.vllm import parse_engine_load, request_body
+from workers.offsets import OffsetTracker
+from workers.realtime import parse_coefficients
+from workers.timings import RequestTiming, StepBatch, parse_report
+from workers.worker import MAX_RESULT_BYTES, _result_bytes
+
+
+def test_offsets_commit_only_past_finished_prefix() -> None:
+    t: OffsetTracker[str] = OffsetTracker()
+    for off in range(10, 15):
+        t.started("p0", off)
+    t.finished("p0", 11)
+    t.finished("p0", 12)
+    assert t.committable() == {"p0": 10}  # 10 is still running: nothing past it
+    t.committed({"p0": 10})
+    assert t.committable() == {}
+    t.finished("p0", 10)
+    assert t.committable() == {"p0": 13}
+    for off in (13, 14):
+        t.finished("p0", off)
+    assert t.committable() == {"p0": 15}
+    t.forget(["p0"])
+    assert t.committable() == {}
+
+
+@given(st.permutations(list(range(30))), st.integers(min_value=0, max_value=30))
+def test_offsets_never_commit_an_unfinished_message(order: list[int], n_done: int) -> None:
+    t: OffsetTracker[int] = OffsetTracker()
+    for off in range(30):
+        t.started(0, off)
+    done = set(order[:n_done])
+    for off in done:
+        t.finished(0, off)
+    commit = t.committable().get(0, 0)
+    assert all(off in done for off in range(commit))
+    assert commit == 30 or commit not in done
+
+
+def test_request_body_completion_and_chat() -> None:
+    q = Query(id="a", prompt="hi", max_tokens=5, temperature=0.2, stop=["\n"], seed=3)
+    path, body = request_body(q, "m")
+    assert path == "/v1/completions"
+    assert body == {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "prompt": "hi",
+        "max_tokens": 5,
+        "temperature": 0.2,
+        "stop": ["\n"],
+        "seed": 3,
+    }
+    c = Query(id="b", messages=[{"role": "user", "content": "yo"}], max_completion_tokens=9)
+    path, body = request_body(c, "m")
+    assert path == "/v1/chat/completions"
+    assert (
+        body["messages"] == [{"role": "user", "content": "yo"}]
+        and body["max_completion_tokens"] == 9
+    )
+    assert "max_tokens" not in body and "prompt" not in body
+
+
+def test_engine_load_from_vllm_metrics() -> None:
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{model_name="m"} 7.0\n'
+        "vllm:num_requests_swapped 1.0\n"
+    )
+    load = parse_engine_load(text)
+    assert (load.running, load.waiting) == (5, 7)
+    assert parse_engine_load("").running is None
+
+
+def test_synthetic_output_is_deterministic() -> None:
+    assert synth.output_tokens(17, "x") == 17
+    a = synth.output_tokens(None, "some prompt", mean_tokens=100)
+    assert a == synth.output_tokens(None, "some prompt", mean_tokens=100) and a >= 1
+    draws = [synth.output_tokens(None, f"p{i}", mean_tokens=100) for i in range(2000)]
+    assert 80 < sum(draws) / len(draws) < 120
+    assert synth.tokens_text("s", 0, 3) == synth.tokens_text("s", 0, 2) + synth.token_text("s", 2)
+
+
+def test_coefficients_parse_with_clear_errors() -> None:
+    c = parse_coefficients("1, 0.5, 0, 1e-6")
+    assert (c.c0_ms, c.c3_ms_per_attn_unit) == (1.0, 1e-6)
+    with pytest.raises(ValueError, match="four numbers"):
+        parse_coefficients("1,2")
+    with pytest.raises(ValueError, match="must be numbers"):
+        parse_coefficients("a,b,c,d")
+
+
+def test_timing_reports_round_trip() -> None:
+    s = StepBatch(
+        instance_id="i",
+        model="m",
+        at=1.0,
+        n_tokens=[1.0],
+        decode_ctx_tokens=[2.0],
+        prefill_attn_units=[0.0],
+        duration_ms=[3.0],
+    )
+    assert parse_report(s.model_dump_json().encode()) == s
+    r = RequestTiming(
+        instance_id="i",
+        model="m",
+        query_id="q",
+        at=1.0,
+        prompt_tokens=3,
+        output_tokens=2,
+        engine_ttft_ms=1.0,
+        engine_e2e_ms=2.0,
+        residents_ahead=0,
+        backend="vllm",
+    )
+    assert parse_report(r.model_dump_json().encode()) == r
+
+
+def test_huge_result_text_is_cut_to_fit_one_message() -> None:
+    r = Result(
+        query_id="q", tenant="t", instance_id="i", model="m", text="é" * 1_000_000, finished_at=1.0
+    )
+    body = _result_bytes(r)
+    assert len(body) <= MAX_RESULT_BYTES
+    cut = Result.model_validate_json(body)
+    assert "[truncated" in cut.text and cut.query_id == "q"
+
+
+def test_settings_from_env_secrets_and_errors() -> None:
+    env = {
+        "SWITCHYARD_KAFKA": "h1:9092, h2:9093",
+        "SWITCHYARD_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "SWITCHYARD_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "SWITCHYARD_KAFKA_SASL_USERNAME": "svc",
+        "SWITCHYARD_KAFKA_SASL_PASSWORD": "kafka-secret",
+        "SWITCHYARD_REDIS": "rediss://redis.example:6380/0",
+        "SWITCHYARD_REDIS_PASSWORD": "redis-secret",
+        "SWITCHYARD_NAMESPACE": "prod",
+    }
+    s = Settings.from_env(env)
+    assert (
+        "kafka-secret" not in repr(s)
+        and "redis-secret" not in repr(s)
+        and "redis-secret" not in str(s)
+    )
+    kw = s.kafka_kwargs(client_id="c")
+    assert (
+        kw["bootstrap_servers"] == "h1:9092,h2:9093" and kw["sasl_plain_password"] == "kafka-secret"
+    )
+    assert kw["sasl_mechanism"] == "SCRAM-SHA-512" and kw["ssl_context"] is not None
+    assert s.redis_kwargs() == {
+        "url": "rediss://redis.example:6380/0",
+        "password": "redis-secret",
+        "tls_ca_file": None,
+        "namespace": "prod",
+    }
+    assert s.faust_broker() == "kafka://h1:9092;h2:9093"
+    plain = Settings.from_env({})
+    assert plain.kafka_kwargs() == {
+        "bootstrap_servers": "127.0.0.1:19092",
+        "security_protocol": "PLAINTEXT",
+    }
+    with pytest.raises(
+        SettingsError, match="SWITCHYARD_KAFKA_SASL_USERNAME and SWITCHYARD_KAFKA_SASL_PASSWORD"
+    ):
+        Settings.from_env({"SWITCHYARD_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT"})
+    with pytest.raises(SettingsError, match="SWITCHYARD_REDIS: must be a redis://"):
+        Settings.from_env({"SWITCHYARD_REDIS": "http://x"})
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env(
+            {
+                "SWITCHYARD_KAFKA_SECURITY_PROTOCOL": "bogus",
+                "SWITCHYARD_KAFKA_SASL_PASSWORD": "leak-me",
+            }
+        )
+    assert "leak-me" not in str(info.value)
+    assert redact_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_topic_names() -> None:
+    assert topics.route("gpu-1") == "route.gpu-1"
+    assert topics.instance_of("route.gpu-1") == "gpu-1" and topics.instance_of("results") is None
+    assert topics.worker_group("gpu-1") == "worker.gpu-1"
+    with pytest.raises(ValueError, match="instance id 'a b' must match"):
+        topics.route("a b")
