@@ -268,13 +268,9 @@ def load_trace(path: str | Path) -> Trace:
     )
 
 
-def resolve_trace(name_or_path: str, traces_dir: Path | None = None) -> Path:
+def resolve_trace(name_or_path: str, traces_dir: Path) -> Path:
     """A trace path from a short name (``azure-conv``, ``azure-code``, ``mooncake``) or a path."""
     if name_or_path in TRACE_FILES:
-        if traces_dir is None:
-            from switchyard.paths import shared_data  # the shell decides where data lives
-
-            traces_dir = shared_data("traces")
         return traces_dir / TRACE_FILES[name_or_path]
     return Path(name_or_path)
 

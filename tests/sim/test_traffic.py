@@ -177,7 +177,7 @@ def test_build_workload_joins_arrivals_to_queries() -> None:
 
 @pytest.mark.shared_data
 def test_real_traces_and_servegen_load() -> None:
-    conv = resolve_trace("azure-conv")
+    conv = resolve_trace("azure-conv", shared_data("traces"))
     if not conv.exists():
         pytest.skip("../shared traces not present")
     tr = load_trace(conv)

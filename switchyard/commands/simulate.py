@@ -1,0 +1,356 @@
+"""``switchyard simulate`` and ``switchyard experiment``: the simulator from the command line.
+
+Zero setup: no Kafka, no Redis. The same ``Router`` objects as the service run over a
+simulated cluster in virtual time (``sim/``); this file only resolves paths, builds the
+inputs and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+from switchyard.paths import REPO_ROOT, shared_data, vendored_data
+
+CLUSTERS_DIR = REPO_ROOT / "configs" / "clusters"
+RESULTS_DIR = REPO_ROOT / "docs" / "results"
+DEFAULT_DATA = ("routing", "llmrouter_dc9", "scores_long.csv.gz")
+PAPER = {
+    "ontime": "paper A: +33% AUC of OnTimeUtility over the best baseline",
+    "batching": "paper B: batch over per-query up to +4% (random) and +24% (adversarial); per-query breaks the budget",
+    "robust": "paper B: robust over point +1–14% depending on the estimator",
+    "allocation": "paper B: optimised allocation up to +3% over fixed; 177 GPUs instead of 800 to match DeepSeek-Chat",
+    "tradeoff": "paper A: δ trades utility against SLO attainment (a curve, no single number)",
+}
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _default_data(data: Path | None, fmt: str | None) -> tuple[Path, str]:
+    if data is None:
+        return vendored_data(*DEFAULT_DATA), fmt or "long"
+    if fmt is None:
+        fmt = "irt-wide" if "irt" in data.name or data.parent.name.startswith("irt") else "long"
+        if data.suffix == ".jsonl":
+            fmt = "nq-records"
+    return data, fmt
+
+
+def cluster_for_models(models: list[str]) -> Path:
+    """The shipped cluster config whose model names are exactly the data's."""
+    from schemas import ClusterConfig
+
+    want = set(models)
+    for p in sorted(CLUSTERS_DIR.glob("*.yaml")):
+        if {m.name for m in ClusterConfig.from_file(p).models} == want:
+            return p
+    raise ValueError(
+        f"no cluster config in {CLUSTERS_DIR} serves exactly the data's models {sorted(want)}; pass --cluster"
+    )
+
+
+def _arrivals(
+    spec: str, duration_s: float | None, start_s: float, rng: np.random.Generator
+) -> tuple[Any, Any, str]:
+    """(arrival times, the trace they replay or None, a label) from ``--trace``."""
+    from sim import traffic
+
+    kind, _, rest = spec.partition(":")
+    if kind == "poisson":
+        rate = float(rest or 5.0)
+        return traffic.poisson_arrivals(rate, duration_s or 600.0, rng), None, f"Poisson {rate:g}/s"
+    if kind == "mmpp":
+        vals = [float(x) for x in rest.split(",") if x] or [5.0]
+        mmpp = traffic.MMPPSpec.bursty(*vals)
+        t, _ = traffic.mmpp_arrivals(mmpp, duration_s or 600.0, rng)
+        return (
+            t,
+            None,
+            f"MMPP mean {mmpp.mean_rate_per_s:g}/s (rates {', '.join(f'{r:.3g}' for r in mmpp.rates_per_s)})",
+        )
+    if kind == "servegen":
+        group = rest or "m-small"
+        win = traffic.load_servegen(
+            shared_data("traces", "servegen", "servegen_client_windows.csv.gz"), "language", group
+        )
+        return (
+            traffic.servegen_arrivals(win, start_s, duration_s or 600.0, rng),
+            None,
+            f"ServeGen language/{group}",
+        )
+    path = traffic.resolve_trace(spec, shared_data("traces"))
+    tr = traffic.load_trace(path)
+    if start_s or duration_s:
+        tr = tr.window(start_s, duration_s or tr.duration_s + 1)
+    return tr.arrival_s, tr, f"trace {path.name}"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("simulate")
+    def simulate(
+        cluster: Path = typer.Option(
+            CLUSTERS_DIR / "llmrouter_dc9.yaml", help="Cluster YAML (schemas.ClusterConfig)"
+        ),
+        trace: str = typer.Option(
+            "azure-conv",
+            help="azure-conv | azure-code | mooncake | a trace CSV | poisson:RATE | mmpp:RATE[,RATIO,SHARE,BURST_S] | servegen:GROUP",
+        ),
+        data: Path = typer.Option(None, help="Routing data (default: vendored llmrouter_dc9)"),
+        format: str = typer.Option(None, "--format", help="irt-wide | long | nq-records"),
+        models_csv: Path = typer.Option(
+            None, help="Per-model prices (default: models.csv beside the data)"
+        ),
+        policy: list[str] = typer.Option(
+            ["batch-ilp-sfs"], help="Policy name; repeat to compare several"
+        ),
+        predictor: Path = typer.Option(
+            None, help="Quality predictor artefact (default: train gbdt on 70% of the data)"
+        ),
+        rate_scale: float = typer.Option(1.0, help="Replay the arrivals this many times as fast"),
+        duration_s: float = typer.Option(
+            None, help="Seconds of traffic (default: the whole trace, 600 for synthetic)"
+        ),
+        start_s: float = typer.Option(0.0, help="Start this far into the trace"),
+        slo: str = typer.Option(
+            "lognormal:1000,0.5",
+            help="TTFT SLO distribution (ms): fixed:X | uniform:A,B | lognormal:MEDIAN,SIGMA | choice:A,B,...",
+        ),
+        window_s: float = typer.Option(0.05, help="Batching window (s)"),
+        max_batch: int = typer.Option(64, help="Most queries per window"),
+        budget_usd_per_query: float = typer.Option(
+            None, help="Window budget per query in it (USD); none: unlimited"
+        ),
+        utility_lambda: float = typer.Option(
+            100.0, help="λ in utility = score − λ·cost (quality per USD)"
+        ),
+        seed: int = typer.Option(0),
+        plots: Path = typer.Option(None, help="Write PNG plots into this folder"),
+        report: Path = typer.Option(None, help="Write a markdown report to this file"),
+        as_json: bool = typer.Option(
+            False, "--json", help="Print one JSON object instead of the table"
+        ),
+    ) -> None:
+        """Run routing policies over real traffic on a simulated cluster."""
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from routing.datasets import load_routing_data, split_by_query
+        from routing.quality import load_predictor, train_predictor
+        from schemas import ClusterConfig
+        from sim import report as rep
+        from sim.cluster import SimCluster
+        from sim.evaluator import EvalConfig, evaluate
+        from sim.experiments import make_policy, workload_for
+        from sim.traffic import SloSpec, TrafficError, scale_rate
+
+        console = Console(stderr=as_json)
+        try:
+            cfg = ClusterConfig.from_file(cluster)
+            data_path, fmt = _default_data(data, format)
+            rd = load_routing_data(data_path, fmt, models_csv)
+            if predictor is not None:
+                pred, test = load_predictor(predictor), rd
+            else:
+                train, test = split_by_query(rd, 0.3, seed)
+                console.print(
+                    f"training a gbdt quality predictor on {train.n} queries of {data_path.name} …"
+                )
+                pred = train_predictor(train, "gbdt", n_replicates=10, seed=seed)
+            rng = np.random.default_rng(seed)
+            arrivals, replay, label = _arrivals(trace, duration_s, start_s, rng)
+            if rate_scale != 1.0:
+                arrivals = scale_rate(arrivals, rate_scale)
+                label += f" ×{rate_scale:g}"
+            lengths = None
+            if replay is None and (shared_data("traces") / "azure_llm_2023_conv.csv.gz").exists():
+                from sim.traffic import load_trace
+
+                lengths = load_trace(shared_data("traces") / "azure_llm_2023_conv.csv.gz")
+            w = workload_for(
+                test,
+                arrivals,
+                SloSpec.parse(slo),
+                rng,
+                replay=replay,
+                lengths_from=lengths,
+                name="sim",
+            )
+            ecfg = EvalConfig(
+                window_s=window_s,
+                max_batch=max_batch,
+                budget_usd_per_query=budget_usd_per_query,
+                utility_lambda=utility_lambda,
+            )
+            routers = [make_policy(p, cfg, pred, utility_lambda=utility_lambda) for p in policy]
+        except (OSError, ValueError, KeyError, TrafficError) as exc:
+            _fail(str(exc))
+            return
+        results = []
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=as_json,
+        ) as bar:
+            for name, router in zip(policy, routers, strict=True):
+                task = bar.add_task(f"{name:16s}", total=w.n)
+                res = evaluate(
+                    router,
+                    SimCluster(cfg, seed=seed),
+                    w,
+                    ecfg,
+                    progress=lambda done, total, t=task: bar.update(t, completed=done),
+                )
+                results.append(res)
+        summaries = [r.summary() for r in results]
+        setup = {
+            "cluster": str(cluster),
+            "instances": len(cfg.instances),
+            "traffic": label,
+            "queries": w.n,
+            "span_s": round(w.duration_s, 1),
+            "data": data_path.name,
+            "slo_ms": slo,
+            "window_s": window_s,
+            "max_batch": max_batch,
+            "budget_usd_per_query": budget_usd_per_query,
+            "utility_lambda": utility_lambda,
+            "seed": seed,
+        }
+        if as_json:
+            typer.echo(json.dumps({"setup": setup, "results": summaries}, indent=2, default=float))
+        else:
+            console.print(rep.rich_table(summaries, rep.SUMMARY_COLUMNS, title=label))
+            for s in summaries:
+                console.print(f"{s['policy']}: simulated in {s['sim_wall_s']:.1f} s wall")
+        pngs: list[Path] = []
+        if plots is not None:
+            plots.mkdir(parents=True, exist_ok=True)
+            pngs.append(
+                rep.plot_ttft_cdf(results, plots / "ttft_cdf.png", float(np.median(w.slo_ms)))
+            )
+            pngs.append(rep.plot_timeline(results, w.arrival_s, plots / "timeline.png"))
+        if report is not None:
+            cmd = "switchyard simulate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            text = rep.simulate_report(
+                results,
+                title=f"Simulation: {label}",
+                setup=setup,
+                command=cmd,
+                plots=pngs,
+                report_path=report,
+            )
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text(text, encoding="utf-8")
+
+    @app.command("experiment")
+    def experiment(
+        name: str = typer.Argument(..., help="ontime | batching | robust | allocation | tradeoff"),
+        data: Path = typer.Option(None, help="Routing data (default: vendored llmrouter_dc9)"),
+        format: str = typer.Option(None, "--format", help="irt-wide | long | nq-records"),
+        models_csv: Path = typer.Option(
+            None, help="Per-model prices (default: models.csv beside the data)"
+        ),
+        trace: str = typer.Option(
+            "azure-conv", help="Trace whose request sizes synthetic arrivals take"
+        ),
+        cluster: Path = typer.Option(
+            None, help="Cluster YAML (default: the shipped one for the data's models)"
+        ),
+        quick: bool = typer.Option(False, help="A small, fast run"),
+        seed: int = typer.Option(0),
+        out_dir: Path = typer.Option(RESULTS_DIR, help="Where the table, JSON and PNG go"),
+        as_json: bool = typer.Option(False, "--json", help="Print the result JSON"),
+    ) -> None:
+        """Reproduce one paper figure; writes <name>.md, <name>.json and <name>.png."""
+        from rich.console import Console
+
+        from routing.datasets import load_routing_data
+        from sim import experiments as ex
+        from sim import report as rep
+        from sim.traffic import resolve_trace
+
+        console = Console(stderr=True)
+        if name not in ex.EXPERIMENTS:
+            _fail(f"unknown experiment {name!r}; choose one of {', '.join(ex.EXPERIMENTS)}")
+        data_path, fmt = _default_data(data, format)
+        try:
+            if cluster is None:
+                cluster = cluster_for_models(load_routing_data(data_path, fmt, models_csv).models)
+        except (OSError, ValueError) as exc:
+            _fail(str(exc))
+            return
+        trace_path = resolve_trace(trace, shared_data("traces"))
+        cmd = "switchyard experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        suffix = "-quick" if quick else ""
+        inputs = ex.ExperimentInputs(
+            data_path,
+            fmt,
+            models_csv,
+            cluster,
+            out_dir,
+            trace_path if trace_path.exists() else None,
+            quick,
+            seed,
+            cmd,
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        result = ex.run(name, inputs, progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+        wall = time.perf_counter() - started
+        if suffix:
+            q = result.png.with_name(result.png.stem + suffix + ".png")
+            result.png.replace(q)
+            result.png = q
+        payload = {
+            "experiment": name,
+            "command": cmd,
+            "quick": quick,
+            "seed": seed,
+            "data": data_path.name,
+            "cluster": cluster.name,
+            "wall_s": round(wall, 1),
+            "paper": PAPER[name],
+            **result.json,
+        }
+        (out_dir / f"{name}{suffix}.json").write_text(
+            json.dumps(payload, indent=2, default=float) + "\n"
+        )
+        md = [
+            f"# {name}{' (quick)' if quick else ''}",
+            "",
+            "```",
+            cmd,
+            "```",
+            "",
+            f"Paper: {PAPER[name]}.",
+            "",
+            f"Data: `{data_path.name}`; cluster: `{cluster.name}`; seed {seed}; {wall:.0f} s wall.",
+            "",
+            result.markdown(),
+            "",
+            *result.notes,
+            "",
+            f"![{name}]({result.png.name})",
+            "",
+        ]
+        (out_dir / f"{name}{suffix}.md").write_text("\n".join(md), encoding="utf-8")
+        if as_json:
+            typer.echo(json.dumps(payload, indent=2, default=float))
+        else:
+            console.print(
+                rep.rich_table(result.rows, result.columns, title=f"{name} — {PAPER[name]}")
+            )
+            console.print(f"wrote {out_dir / (name + suffix)}.{{md,json,png}}")
