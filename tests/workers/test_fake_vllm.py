@@ -142,7 +142,7 @@ async def test_backend_ttft_usage_and_gauges_while_running(server: RunningServer
         assert (
             g.error is None
             and g.usage_reported
-            and g.output_tokens == 40
+            and g.output_tokens == 200
             and g.prompt_tokens == 500
         )
         assert g.first_token_at is not None and g.sent_at < g.first_token_at <= g.finished_at
