@@ -139,7 +139,8 @@ class Settings(BaseModel):
             return None
         from aiokafka.helpers import create_ssl_context
 
-        return create_ssl_context(cafile=self.kafka_ssl_cafile)
+        ctx: ssl.SSLContext = create_ssl_context(cafile=self.kafka_ssl_cafile)
+        return ctx
 
     def kafka_kwargs(self, client_id: str | None = None) -> dict[str, Any]:
         """Keyword arguments shared by AIOKafkaProducer, AIOKafkaConsumer and AIOKafkaAdminClient."""

@@ -135,7 +135,7 @@ def error_message(body: bytes, limit: int = 500) -> str:
     if isinstance(obj, dict):
         err = obj.get("error", obj)
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"][:limit]
+            return str(err["message"])[:limit]
         if isinstance(err, str):
             return err[:limit]
         if isinstance(obj.get("message"), str):
