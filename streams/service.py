@@ -46,6 +46,7 @@ from schemas import (
     Result,
     parse_query,
 )
+from streams.batching import dedupe_many, mark_routed_many
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
 from switchyard import topics
@@ -186,9 +187,25 @@ class RouterService:
             await self._produce(outs)
             if routed_marks:
                 await self._mark_routed(routed_marks)
-        except Exception as exc:  # Redis or Kafka trouble: nothing is acknowledged, retry later
+        except Exception as exc:
             kind = type(exc).__name__
             self.metrics.errors.labels(kind).inc()
+            if not _transient(exc):
+                # a bug or a configuration the router cannot work with: answer, never loop
+                log.exception(
+                    "window of %d queries failed for good: %s", len(batch_items) + len(held), exc
+                )
+                failed = batch_items + [p.inbound for p in held]
+                try:
+                    await self._fail(failed, f"router error ({kind}): {exc}")
+                except Exception as exc2:  # noqa: BLE001 - producing failed too: retry the window
+                    log.warning("could not publish the failure of a window: %s", exc2)
+                else:
+                    for it in failed:
+                        if it not in items:
+                            self._on_done(it)
+                    self.metrics.held.set(self.held_count)
+                    return WindowOutcome(dead_letters=len(failed)), []
             log.warning(
                 "window of %d queries will be retried: %s: %s",
                 len(batch_items) + len(held),
@@ -268,19 +285,9 @@ class RouterService:
         return kept
 
     async def _dedupe(self, pending: list[Pending]) -> list[tuple[str, str]]:
-        ttl = self.config.dedupe_ttl_s
-        shas = [hashlib.sha256(p.raw).hexdigest() for p in pending]
-        many = getattr(self.state, "dedupe_many", None)
-        if many is not None:  # one pipelined round trip when the store offers it
-            got = await many({p.query.id: sha for p, sha in zip(pending, shas, strict=True)}, ttl)
-            return [_verdict(got[p.query.id]) for p in pending]
-        res = await asyncio.gather(
-            *(
-                self.state.dedupe_ex(p.query.id, sha, ttl)
-                for p, sha in zip(pending, shas, strict=True)
-            )
-        )
-        return [_verdict(r) for r in res]
+        shas = {p.query.id: hashlib.sha256(p.raw).hexdigest() for p in pending}
+        got = await dedupe_many(self.state, shas, self.config.dedupe_ttl_s)
+        return [got[p.query.id] for p in pending]
 
     async def _route(
         self,
@@ -439,17 +446,36 @@ class RouterService:
         return out
 
     async def _mark_routed(self, marks: Mapping[str, str]) -> None:
-        many = getattr(self.state, "mark_routed_many", None)
-        if many is not None:
-            await many(dict(marks))
-            return
-        await asyncio.gather(*(self.state.mark_routed(qid, inst) for qid, inst in marks.items()))
+        await mark_routed_many(self.state, marks)
 
     async def _produce(self, outs: list[tuple[str, bytes, bytes]]) -> None:
         if not outs:
             return
         futures = [await self.sink.send(topic, key, value) for topic, key, value in outs]
         await asyncio.gather(*futures)
+
+    async def _fail(self, failed: list[Inbound], reason: str) -> None:
+        """Dead-letter every input of a window that cannot be routed, and answer each query."""
+        now = time.time()
+        outs: list[tuple[str, bytes, bytes]] = []
+        for it in failed:
+            self._dead_letter(outs, it, reason, "route", now)
+            try:
+                q = parse_query(it.raw, self.config.limits)
+            except BadMessage:
+                continue
+            result = Result(
+                query_id=q.id,
+                tenant=q.tenant,
+                instance_id="",
+                model="",
+                error=reason[:2000],
+                finished_at=now,
+            )
+            outs.append(
+                (topics.RESULTS, q.id.encode(), result.model_dump_json(exclude_none=True).encode())
+            )
+        await self._produce(outs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -492,18 +518,13 @@ class RouterService:
         )
 
 
-def _verdict(value: Any) -> tuple[str, str]:
-    """``StateStore.dedupe`` answers a verdict, or (verdict, routed-to)."""
-    if isinstance(value, str):
-        return value, ""
-    if isinstance(value, (tuple, list)):
-        verdict = value[0]
-        routed = value[1] if len(value) > 1 else ""
-        return str(verdict), str(routed or "")
-    verdict = getattr(value, "verdict", None)
-    if verdict is not None:
-        return str(verdict), str(getattr(value, "routed", "") or "")
-    raise TypeError(f"StateStore.dedupe returned {value!r}; expected a verdict string")
+def _transient(exc: BaseException) -> bool:
+    """Errors that go away by themselves (Redis or Kafka unreachable, timeouts)."""
+    if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    name = type(exc).__name__
+    module = type(exc).__module__
+    return name == "StateUnavailable" or module.startswith(("aiokafka", "kafka", "redis"))
 
 
 def _spent_usd(status: Any) -> float:

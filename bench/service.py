@@ -1,0 +1,309 @@
+"""Benchmark of the streaming service (issue 7, item 9): Kafka → router → instance topics.
+
+    .venv/bin/python bench/service.py --quick      # < 120 s, one JSON object on stdout
+    .venv/bin/python bench/service.py              # longer run, the figures of docs/benchmarks/service.md
+
+Starts local Kafka and Redis (switchyard/services.py) when SWITCHYARD_KAFKA/REDIS are not
+set, and stops only what it started. Runs ``switchyard router`` processes (subprocesses,
+stopped by pid) on a cluster of ``--instances`` instances, produces queries at
+``--rate`` per second (0: as fast as the producer goes) for ``--duration-s`` seconds,
+and plays discarding workers: it reads every ``route.<instance>`` topic and frees each
+query's capacity slot (one call per instance per batch), so capacity never binds.
+
+Figures: ``routed_per_s`` = routed messages / (last routed − first routed), over the
+steady part of the run; ``added_ms`` = Kafka timestamp of the routed message − Kafka
+timestamp of the query (produce → routed), p50/p99 over every query.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
+
+from switchyard import services, topics  # noqa: E402
+from switchyard.demo import ProcessGroup  # noqa: E402
+
+
+def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
+    return {
+        "models": [
+            {
+                "name": "small",
+                "input_usd_per_token": 1e-7,
+                "output_usd_per_token": 2e-7,
+                "max_concurrency": 65536,
+            },
+            {
+                "name": "large",
+                "input_usd_per_token": 1e-6,
+                "output_usd_per_token": 2e-6,
+                "max_concurrency": 65536,
+            },
+        ],
+        "instances": [
+            {"id": f"{rid}-{i}", "model": "small" if i % 2 == 0 else "large"}
+            for i in range(n_instances)
+        ],
+        "tenants": [{"tenant": "default", "budget_usd": 1e6, "period_s": 86400}],
+    }
+
+
+async def heartbeat_loop(store: object, spec: dict[str, object], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for inst in spec["instances"]:  # type: ignore[attr-defined]
+            await store.heartbeat(inst["id"], inst["model"], 10.0, 65536)  # type: ignore[attr-defined]
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            pass
+
+
+async def produce(
+    bootstrap: str, ids: list[str], rate: float, sent_at: dict[bytes, float]
+) -> float:
+    """Produce one query per id at ``rate``/s (0: flat out); returns the wall time it took."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=2,
+        max_batch_size=256 * 1024,
+    )
+    await producer.start()
+    t0 = time.monotonic()
+    try:
+        pending = []
+        for i, qid in enumerate(ids):
+            body = f'{{"id":"{qid}","prompt":"benchmark query number {i} about trains","ttft_slo_ms":2000}}'
+            key = qid.encode()
+            sent_at[key] = time.time()
+            pending.append(await producer.send(topics.QUERIES, body.encode(), key=key))
+            if rate > 0 and i % 20 == 19:
+                ahead = (i + 1) / rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+            if len(pending) >= 5000:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+    return time.monotonic() - t0
+
+
+async def discard(
+    consumer: AIOKafkaConsumer, store: object, n: int, timeout_s: float, sent_at: dict[bytes, float]
+) -> tuple[list[float], list[float]]:
+    """Read route topics until ``n`` of ``sent_at``'s queries came; free their slots.
+
+    Returns (routed timestamps s, added latency ms) of those queries.
+    """
+    routed_at: list[float] = []
+    added_ms: list[float] = []
+    deadline = time.monotonic() + timeout_s
+    while len(routed_at) < n and time.monotonic() < deadline:
+        batch = await consumer.getmany(timeout_ms=500, max_records=10000)
+        for tp, records in batch.items():
+            inst = topics.instance_of(tp.topic)
+            ids = []
+            for r in records:
+                t_sent = sent_at.pop(r.key, None)
+                if t_sent is None:
+                    continue
+                ids.append(r.key.decode())
+                routed_at.append(r.timestamp / 1000.0)
+                added_ms.append(r.timestamp - t_sent * 1000.0)
+            if ids and inst:
+                await store.release_slots(inst, ids)  # type: ignore[attr-defined]
+    return routed_at, added_ms
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+async def phase(
+    bootstrap: str,
+    store: object,
+    consumer: AIOKafkaConsumer,
+    rid: str,
+    tag: str,
+    n: int,
+    rate: float,
+) -> dict[str, float]:
+    ids = [f"{rid}-{tag}-{i}" for i in range(n)]
+    sent_at: dict[bytes, float] = {}
+    prod = asyncio.create_task(produce(bootstrap, ids, rate, sent_at))
+    routed_at, added = await discard(
+        consumer, store, n, 60.0 + (n / rate if rate else n / 2000.0), sent_at
+    )
+    produce_s = await prod
+    ts = sorted(routed_at)
+    # steady part: drop the first and last 5% of routed messages (start-up and drain)
+    lo, hi = int(len(ts) * 0.05), max(int(len(ts) * 0.95) - 1, 0)
+    span = ts[hi] - ts[lo] if hi > lo else float("nan")
+    return {
+        "sent": n,
+        "routed": len(routed_at),
+        "offered_per_s": n / produce_s if produce_s > 0 else float("nan"),
+        "routed_per_s": (hi - lo) / span if span and span > 0 else float("nan"),
+        "added_ms_p50": pct(added, 50),
+        "added_ms_p99": pct(added, 99),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="< 120 s")
+    ap.add_argument(
+        "--queries", type=int, default=0, help="queries to send (default: quick 100k, full 400k)"
+    )
+    ap.add_argument(
+        "--rate", type=float, default=0.0, help="queries/s to offer (0: as fast as possible)"
+    )
+    ap.add_argument("--routers", type=int, default=1)
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--window-ms", type=float, default=50.0)
+    ap.add_argument("--max-batch", type=int, default=2000)
+    ap.add_argument("--policy", default="auto", help="auto: round-robin from routing.policies")
+    ap.add_argument(
+        "--latency-rate",
+        type=float,
+        default=0.0,
+        help="offered rate of the latency phase (0: half the measured throughput)",
+    )
+    args = ap.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=None))
+    return 0
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    from state import StateStore
+
+    started: list[str] = []
+    home = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
+    bootstrap = os.environ.get("SWITCHYARD_KAFKA")
+    redis_url = os.environ.get("SWITCHYARD_REDIS")
+    if not bootstrap or not redis_url:
+        recs = {n: r for n, r in services.load_records().items() if r.alive()}
+        if "kafka" in recs and "redis" in recs and not bootstrap and not redis_url:
+            bootstrap, redis_url = recs["kafka"].address, recs["redis"].address
+        else:
+            if not redis_url:
+                redis_url = services.redis_up(home=home, port=services.free_port()).address
+                started.append("redis")
+            if not bootstrap:
+                bootstrap = services.kafka_up(home=home, port=services.free_port()).address
+                started.append("kafka")
+    rid = "b" + uuid.uuid4().hex[:6]
+    spec = cluster_spec(rid, args.instances)
+    cluster_file = home / "cluster.json"
+    cluster_file.write_text(json.dumps(spec))
+    ns = f"bench{rid}"
+    env = dict(
+        os.environ, SWITCHYARD_KAFKA=bootstrap, SWITCHYARD_REDIS=redis_url, SWITCHYARD_NAMESPACE=ns
+    )
+    procs = ProcessGroup(home / "logs", env=env)
+    policy = args.policy
+    if policy == "auto":
+        try:
+            import routing.policies  # noqa: F401
+
+            policy = "round-robin"
+        except ImportError:
+            policy = "tests.streams.fake_router:factory"
+    store = await StateStore.connect(redis_url, namespace=ns)
+    stop = asyncio.Event()
+    hb = asyncio.create_task(heartbeat_loop(store, spec, stop))
+    n_through = args.queries or (60_000 if args.quick else 300_000)
+    n_latency = 10_000 if args.quick else 40_000
+    out: dict[str, object] = {}
+    try:
+        routers = []
+        for k in range(args.routers):
+            routers.append(
+                procs.switchyard(
+                    f"router-{k}",
+                    "router",
+                    "--cluster",
+                    str(cluster_file),
+                    "--policy",
+                    policy,
+                    "--window-ms",
+                    str(args.window_ms),
+                    "--max-batch",
+                    str(args.max_batch),
+                    "--partitions",
+                    str(args.partitions),
+                    "--from",
+                    "latest",
+                    "--app-id",
+                    f"router-{rid}",
+                )  # fmt: skip
+            )
+        for r in routers:
+            await asyncio.to_thread(procs.wait_for_line, r, "assigned queries partitions", 120)
+        await asyncio.sleep(2.0 if args.routers > 1 else 0.5)  # let a multi-router group settle
+        instance_ids = [i["id"] for i in spec["instances"]]  # type: ignore[index]
+        consumer = AIOKafkaConsumer(
+            *[topics.route(i) for i in instance_ids],
+            bootstrap_servers=bootstrap,
+            group_id=f"bench-discard-{rid}",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            fetch_max_bytes=32 * 1024 * 1024,
+            max_partition_fetch_bytes=8 * 1024 * 1024,
+        )
+        await consumer.start()
+        try:
+            through = await phase(bootstrap, store, consumer, rid, "t", n_through, 0.0)
+            lat_rate = args.latency_rate or max(
+                500.0, round(0.5 * float(through["routed_per_s"]), -2)
+            )
+            latency = await phase(bootstrap, store, consumer, rid, "l", n_latency, lat_rate)
+        finally:
+            await consumer.stop()
+        out = {
+            "routed_per_s": round(float(through["routed_per_s"]), 1),
+            "added_ms_p50": round(float(latency["added_ms_p50"]), 1),
+            "added_ms_p99": round(float(latency["added_ms_p99"]), 1),
+            "window_ms": args.window_ms,
+            "latency_offered_per_s": round(float(latency["offered_per_s"]), 1),
+            "flood_added_ms_p99": round(float(through["added_ms_p99"]), 1),
+            "queries": {"throughput": through["routed"], "latency": latency["routed"]},
+            "routers": args.routers,
+            "partitions": args.partitions,
+            "instances": args.instances,
+            "max_batch": args.max_batch,
+            "policy": policy,
+            "cpus": os.cpu_count(),
+        }
+        for r in routers:
+            if not r.alive():
+                out["router_exit"] = r.tail(2000)
+    finally:
+        stop.set()
+        await hb
+        procs.stop_all()
+        await store.close()
+        if started:
+            services.down(home, names=started)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
