@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -388,3 +389,44 @@ async def test_sim_backend_and_step_timings(env: dict[str, Any], kafka_bootstrap
     for batch in steps:
         predicted = model.step_ms(batch.n_tokens, batch.decode_ctx_tokens, batch.prefill_attn_units)
         assert predicted == pytest.approx(batch.duration_ms, rel=1e-6)
+
+
+async def test_redis_outage_does_not_stop_results_and_state_rebuilds(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """Redis stops mid-stream: results keep coming (state writes are best effort, counted);
+    after Redis is back, the heartbeat and the residents are rebuilt by the worker."""
+    from switchyard import services
+
+    port = services.free_port()
+    rec = services.redis_up(port=port, home=tmp_path, name="redis-outage")
+    settings = Settings(kafka=env["settings"].kafka, redis=rec.address, namespace="outage")
+    state = await StateStore.connect(**settings.redis_kwargs(), socket_timeout_s=1.0)
+    iid = "out-" + uuid.uuid4().hex[:8]
+    cluster = _cluster(iid)
+    backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.1), cluster, backend, settings, state
+    )
+    client: SwitchyardClient = env["client"]
+    route = topics.route(iid)
+    try:
+        async with running(worker):
+            first = [_routed(f"{iid}-a{i}", iid, "p1") for i in range(3)]
+            await _produce(env["producer"], route, [rq.model_dump_json().encode() for rq in first])
+            for rq in first:
+                assert (await client.result(rq.query.id, timeout_s=20)).error is None
+            services.stop_record(rec, tmp_path)
+            second = [_routed(f"{iid}-b{i}", iid, "p1") for i in range(3)]
+            await _produce(env["producer"], route, [rq.model_dump_json().encode() for rq in second])
+            for rq in second:
+                assert (await client.result(rq.query.id, timeout_s=30)).error is None
+            assert worker.metrics.errors("state") > 0
+            rec = services.redis_up(port=port, home=tmp_path, name="redis-outage")
+            async with asyncio.timeout(20):
+                while not (await state.snapshots([iid], time.time()))[iid].alive:
+                    await asyncio.sleep(0.1)
+    finally:
+        await state.close()
+        services.stop_record(rec, tmp_path)
+    assert worker.counts["results"] == 6
