@@ -57,5 +57,7 @@ def estimate_prompt_tokens(texts: Sequence[str], extra_chars: IntArray | None = 
         other = len(t) - ascii_chars
         out[i] = int(np.ceil(ascii_chars / CHARS_PER_TOKEN)) + other
     if extra_chars is not None:
-        out = out + np.ceil(np.asarray(extra_chars, dtype=np.float64) / CHARS_PER_TOKEN).astype(np.int64)
+        out = out + np.ceil(np.asarray(extra_chars, dtype=np.float64) / CHARS_PER_TOKEN).astype(
+            np.int64
+        )
     return np.maximum(out, 1)

@@ -127,12 +127,16 @@ class RoutingData:
         """True when some realised cost comes from the length prior, not the data."""
         return bool(np.isnan(self.cost_usd).any())
 
-    def realised_cost_usd(self, default_output_tokens: float | FloatArray = DEFAULT_OUTPUT_TOKENS) -> FloatArray:
+    def realised_cost_usd(
+        self, default_output_tokens: float | FloatArray = DEFAULT_OUTPUT_TOKENS
+    ) -> FloatArray:
         """Cost of each (query, model) as realised: recorded cost, else the price formula
         with recorded output tokens, else with ``default_output_tokens`` (scalar or [m])."""
         prior = np.broadcast_to(np.asarray(default_output_tokens, dtype=np.float64), (self.m,))
         out_tok = np.where(np.isnan(self.output_tokens), prior[None, :], self.output_tokens)
-        formula = _cost_usd(self.prompt_tokens, out_tok, self.input_usd_per_token, self.output_usd_per_token)
+        formula = _cost_usd(
+            self.prompt_tokens, out_tok, self.input_usd_per_token, self.output_usd_per_token
+        )
         out: FloatArray = np.where(np.isnan(self.cost_usd), formula, self.cost_usd)
         return out
 
@@ -198,24 +202,29 @@ def _csv_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]
 
     def rows() -> Iterator[tuple[int, dict[str, str]]]:
         try:
-            for k, row in enumerate(reader, start=1):
-                yield k, row
+            yield from enumerate(reader, start=1)
         finally:
             fh.close()
 
     return header, rows()
 
 
-def _pick(header: Sequence[str], names: Sequence[str], path: Path, what: str, required: bool = True) -> str | None:
+def _pick(
+    header: Sequence[str], names: Sequence[str], path: Path, what: str, required: bool = True
+) -> str | None:
     for n in names:
         if n in header:
             return n
     if required:
-        raise DataError(f"{path}: no {what} column; expected one of {list(names)}, found {list(header)}")
+        raise DataError(
+            f"{path}: no {what} column; expected one of {list(names)}, found {list(header)}"
+        )
     return None
 
 
-def _float(value: object, row: int, name: str, *, lo: float | None = None, hi: float | None = None) -> float:
+def _float(
+    value: object, row: int, name: str, *, lo: float | None = None, hi: float | None = None
+) -> float:
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -274,8 +283,12 @@ def _table(
         prompt_tokens=np.asarray(prompt, dtype=np.float64) if prompt is not None else nan.copy(),
         output_tokens=np.asarray(out_tok, dtype=np.float64) if out_tok is not None else nan.copy(),
         cost_usd=np.asarray(cost, dtype=np.float64) if cost is not None else nan.copy(),
-        extra_prompt_chars=np.asarray(extra, dtype=np.int64) if extra is not None else np.zeros(k, np.int64),
-        source_row=np.asarray(src, dtype=np.int64) if src is not None else np.arange(1, k + 1, dtype=np.int64),
+        extra_prompt_chars=np.asarray(extra, dtype=np.int64)
+        if extra is not None
+        else np.zeros(k, np.int64),
+        source_row=np.asarray(src, dtype=np.int64)
+        if src is not None
+        else np.arange(1, k + 1, dtype=np.int64),
     )
 
 
@@ -341,8 +354,16 @@ def read_long(path: str | Path) -> LongTable:
         model.append(_text(row.get(model_col), r, model_col).strip())
         score.append(_score(row.get(score_col), r, score_col))
         task.append((row.get(task_col) or "") if task_col else "")
-        prompt.append(_opt_float(row.get("prompt_tokens"), r, "prompt_tokens") if opt["prompt_tokens"] else math.nan)
-        out_tok.append(_opt_float(row.get("output_tokens"), r, "output_tokens") if opt["output_tokens"] else math.nan)
+        prompt.append(
+            _opt_float(row.get("prompt_tokens"), r, "prompt_tokens")
+            if opt["prompt_tokens"]
+            else math.nan
+        )
+        out_tok.append(
+            _opt_float(row.get("output_tokens"), r, "output_tokens")
+            if opt["output_tokens"]
+            else math.nan
+        )
         cost.append(_opt_float(row.get("cost_usd"), r, "cost_usd") if opt["cost_usd"] else math.nan)
         if opt["choices_chars"]:
             c = _opt_float(row.get("choices_chars"), r, "choices_chars")
@@ -385,22 +406,32 @@ def read_nq_records(path: str | Path, prices: ModelPrices | None = None) -> Long
             names = rec["llm_name_list"]
             perfs = rec["perf_list"]
             costs = rec.get("cost_list")
-            if not isinstance(names, list) or not isinstance(perfs, list) or len(names) != len(perfs):
-                raise DataError(f"row {r}: llm_name_list and perf_list must be lists of equal length")
+            if (
+                not isinstance(names, list)
+                or not isinstance(perfs, list)
+                or len(names) != len(perfs)
+            ):
+                raise DataError(
+                    f"row {r}: llm_name_list and perf_list must be lists of equal length"
+                )
             if costs is not None and (not isinstance(costs, list) or len(costs) != len(names)):
                 raise DataError(f"row {r}: cost_list must be a list as long as llm_name_list")
             q = str(rec["q_id"])
             txt = _text(rec["query"] if isinstance(rec["query"], str) else None, r, "query")
             for k, name in enumerate(names):
                 if not isinstance(name, str) or not name:
-                    raise DataError(f"row {r}: llm_name_list[{k}] must be a model name, got {name!r}")
+                    raise DataError(
+                        f"row {r}: llm_name_list[{k}] must be a model name, got {name!r}"
+                    )
                 src.append(r)
                 qid.append(q)
                 task.append(str(rec.get("source", "")))
                 text.append(txt)
                 model.append(name)
                 score.append(_score(perfs[k], r, f"perf_list[{k}]"))
-                c_micro = math.nan if costs is None else _float(costs[k], r, f"cost_list[{k}]", lo=0.0)
+                c_micro = (
+                    math.nan if costs is None else _float(costs[k], r, f"cost_list[{k}]", lo=0.0)
+                )
                 cost.append(c_micro * 1e-6)
                 j = price_idx.get(name)
                 if j is not None and prices is not None and not math.isnan(c_micro):
@@ -425,11 +456,12 @@ def read_models_csv(path: str | Path) -> ModelPrices:
         ("input_price_per_1m_usd", "output_price_per_1m_usd", 1e-6),
         ("input_usd_per_1M_tokens", "output_usd_per_1M_tokens", 1e-6),
     )
-    for cin, cout, scale in schemes:
-        if cin in header and cout in header:
-            break
-    else:
-        raise DataError(f"{path}: no price columns; expected one of {[s[:2] for s in schemes]}, found {header}")
+    picked = next((sc for sc in schemes if sc[0] in header and sc[1] in header), None)
+    if picked is None:
+        raise DataError(
+            f"{path}: no price columns; expected one of {[s[:2] for s in schemes]}, found {header}"
+        )
+    cin, cout, scale = picked
     models: list[str] = []
     pin: list[float] = []
     pout: list[float] = []
@@ -442,7 +474,9 @@ def read_models_csv(path: str | Path) -> ModelPrices:
         models.append(name)
         pin.append(_float(row.get(cin), r, cin, lo=0.0) * scale)
         pout.append(_float(row.get(cout), r, cout, lo=0.0) * scale)
-    return ModelPrices(models, np.asarray(pin, dtype=np.float64), np.asarray(pout, dtype=np.float64))
+    return ModelPrices(
+        models, np.asarray(pin, dtype=np.float64), np.asarray(pout, dtype=np.float64)
+    )
 
 
 # ---------------------------------------------------------------------------- wide view
@@ -536,11 +570,15 @@ def load_routing_data(
     if format == "nq-records":
         data.meta["cost_note"] = "realised cost from the data (micro-USD, output tokens only)"
     else:
-        data.meta["cost_note"] = f"estimated: prompt tokens from text, {DEFAULT_OUTPUT_TOKENS:g} output tokens"
+        data.meta["cost_note"] = (
+            f"estimated: prompt tokens from text, {DEFAULT_OUTPUT_TOKENS:g} output tokens"
+        )
     return data
 
 
-def split_by_query(data: RoutingData, test_fraction: float, seed: int = 0) -> tuple[RoutingData, RoutingData]:
+def split_by_query(
+    data: RoutingData, test_fraction: float, seed: int = 0
+) -> tuple[RoutingData, RoutingData]:
     """Train/test split of whole queries (rows of the wide view), stratified by task so
     every task keeps its share; the same seed gives the same split."""
     if not 0.0 < test_fraction < 1.0:
@@ -557,5 +595,7 @@ def split_by_query(data: RoutingData, test_fraction: float, seed: int = 0) -> tu
     mask = np.zeros(data.n, dtype=bool)
     mask[test] = True
     if mask.all() or not mask.any():
-        raise ValueError(f"split of {data.n} queries with test_fraction={test_fraction} leaves one side empty")
+        raise ValueError(
+            f"split of {data.n} queries with test_fraction={test_fraction} leaves one side empty"
+        )
     return data.subset(np.flatnonzero(~mask)), data.subset(np.flatnonzero(mask))

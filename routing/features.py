@@ -148,7 +148,9 @@ def _l2_rows(x: Float32Array) -> Float32Array:
     return out
 
 
-def randomized_svd_components(x: sp.csr_matrix, rank: int, seed: int, n_iter: int = 4) -> Float32Array:
+def randomized_svd_components(
+    x: sp.csr_matrix, rank: int, seed: int, n_iter: int = 4
+) -> Float32Array:
     """Top-``rank`` right singular vectors of sparse ``x`` (Halko et al. range finder)."""
     rng = np.random.default_rng(seed)
     n, d = x.shape
@@ -170,7 +172,12 @@ class HashedNgramFeaturizer:
     name = "hashed"
 
     def __init__(
-        self, n_buckets: int = 1 << 13, rank: int = 64, max_chars: int = 3000, seed: int = 0, fit_max_texts: int = 4000
+        self,
+        n_buckets: int = 1 << 13,
+        rank: int = 64,
+        max_chars: int = 3000,
+        seed: int = 0,
+        fit_max_texts: int = 4000,
     ) -> None:
         if n_buckets < 16 or rank < 1:
             raise ValueError(f"n_buckets must be >= 16 and rank >= 1, got {n_buckets}, {rank}")
@@ -230,14 +237,14 @@ class HashedNgramFeaturizer:
     def state(self) -> State:
         if self.components is None or self.idf is None:
             raise RuntimeError("HashedNgramFeaturizer: fit() before saving")
-        params = {
+        params: dict[str, Any] = {
             "n_buckets": self.n_buckets,
             "rank": self.rank,
             "max_chars": self.max_chars,
             "seed": self.seed,
             "fit_max_texts": self.fit_max_texts,
         }
-        arrays = {
+        arrays: dict[str, npt.NDArray[Any]] = {
             "idf": self.idf,
             "components": self.components,
             "scalar_mean": self.scalar_mean,
@@ -246,7 +253,9 @@ class HashedNgramFeaturizer:
         return params, arrays
 
     @classmethod
-    def from_state(cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> HashedNgramFeaturizer:
+    def from_state(
+        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+    ) -> HashedNgramFeaturizer:
         f = cls(
             n_buckets=int(params["n_buckets"]),
             rank=int(params["rank"]),
@@ -309,14 +318,23 @@ class MiniLMFeaturizer:
             from sentence_transformers import SentenceTransformer
 
             path: Any = None
-            for attr in ("get_model_path", "model_path", "get_model_dir", "model_dir", "MODEL_PATH", "MODEL_DIR"):
+            for attr in (
+                "get_model_path",
+                "model_path",
+                "get_model_dir",
+                "model_dir",
+                "MODEL_PATH",
+                "MODEL_DIR",
+            ):
                 v = getattr(pkg, attr, None)
                 if v is not None:
                     path = v() if callable(v) else v
                     break
             if path is None:
                 base = Path(pkg.__file__ or ".").parent
-                hits = sorted(base.rglob("config_sentence_transformers.json")) or sorted(base.rglob("config.json"))
+                hits = sorted(base.rglob("config_sentence_transformers.json")) or sorted(
+                    base.rglob("config.json")
+                )
                 if not hits:
                     raise RuntimeError(f"{MINILM_PACKAGE}: no model folder found under {base}")
                 path = hits[0].parent
@@ -332,23 +350,32 @@ class MiniLMFeaturizer:
     def transform(self, texts: Sequence[str]) -> Float32Array:
         model = self._load()
         emb = np.asarray(
-            model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True), dtype=np.float32
+            model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True),
+            dtype=np.float32,
         )
         sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
         return np.hstack([emb.reshape(len(texts), -1), sc.astype(np.float32)])
 
     def state(self) -> State:
-        return {"batch_size": self.batch_size}, {"scalar_mean": self.scalar_mean, "scalar_std": self.scalar_std}
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "scalar_mean": self.scalar_mean,
+            "scalar_std": self.scalar_std,
+        }
+        return {"batch_size": self.batch_size}, arrays
 
     @classmethod
-    def from_state(cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> MiniLMFeaturizer:
+    def from_state(
+        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+    ) -> MiniLMFeaturizer:
         f = cls(batch_size=int(params.get("batch_size", 64)))
         f.scalar_mean = arrays["scalar_mean"].astype(np.float32)
         f.scalar_std = arrays["scalar_std"].astype(np.float32)
         return f
 
 
-def make_featurizer(kind: str = "hashed", **kwargs: Any) -> HashedNgramFeaturizer | MiniLMFeaturizer:
+def make_featurizer(
+    kind: str = "hashed", **kwargs: Any
+) -> HashedNgramFeaturizer | MiniLMFeaturizer:
     """``hashed`` (default), ``minilm`` (needs the optional package), or ``auto``
     (MiniLM when importable, else hashed)."""
     if kind == "auto":
@@ -365,7 +392,9 @@ def make_featurizer(kind: str = "hashed", **kwargs: Any) -> HashedNgramFeaturize
     raise ValueError(f"unknown featurizer {kind!r}; expected hashed, minilm or auto")
 
 
-def featurizer_from_state(name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> Any:
+def featurizer_from_state(
+    name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+) -> Any:
     if name == "hashed":
         return HashedNgramFeaturizer.from_state(params, arrays)
     if name == "minilm":

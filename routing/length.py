@@ -24,9 +24,13 @@ Arrays = dict[str, npt.NDArray[Any]]
 
 
 class LengthPredictor:
-    def __init__(self, models: Sequence[str], default_tokens: float | Sequence[float] = 256.0) -> None:
+    def __init__(
+        self, models: Sequence[str], default_tokens: float | Sequence[float] = 256.0
+    ) -> None:
         self.models = list(models)
-        d = np.broadcast_to(np.asarray(default_tokens, dtype=np.float64), (len(self.models),)).copy()
+        d = np.broadcast_to(
+            np.asarray(default_tokens, dtype=np.float64), (len(self.models),)
+        ).copy()
         if (d <= 0).any() or not np.isfinite(d).all():
             raise ValueError(f"default_tokens must be finite and > 0, got {d.tolist()}")
         self.default_tokens: FloatArray = d
@@ -39,7 +43,9 @@ class LengthPredictor:
     def m(self) -> int:
         return len(self.models)
 
-    def _design(self, prompt_tokens: IntArray | FloatArray, X: npt.NDArray[Any] | None) -> FloatArray:
+    def _design(
+        self, prompt_tokens: IntArray | FloatArray, X: npt.NDArray[Any] | None
+    ) -> FloatArray:
         p = np.log1p(np.asarray(prompt_tokens, dtype=np.float64))[:, None]
         parts = [np.ones_like(p), p]
         if X is not None:
@@ -60,7 +66,9 @@ class LengthPredictor:
         default equal to their mean observed length."""
         out = np.asarray(output_tokens, dtype=np.float64)
         if out.shape != (len(prompt_tokens), self.m):
-            raise ValueError(f"output_tokens must be [n, m] = [{len(prompt_tokens)}, {self.m}], got {out.shape}")
+            raise ValueError(
+                f"output_tokens must be [n, m] = [{len(prompt_tokens)}, {self.m}], got {out.shape}"
+            )
         D = self._design(prompt_tokens, X)
         p = D.shape[1]
         coef = np.zeros((p, self.m))
@@ -82,7 +90,9 @@ class LengthPredictor:
         self.smear = smear
         return self
 
-    def predict_features(self, prompt_tokens: IntArray | FloatArray, X: npt.NDArray[Any] | None = None) -> FloatArray:
+    def predict_features(
+        self, prompt_tokens: IntArray | FloatArray, X: npt.NDArray[Any] | None = None
+    ) -> FloatArray:
         """Predicted output tokens ``[n, m]`` from prompt tokens and (optional) features."""
         n = len(prompt_tokens)
         base = np.broadcast_to(self.default_tokens[None, :], (n, self.m)).copy()
@@ -103,7 +113,10 @@ class LengthPredictor:
         return self.predict_features(prompt_tokens, X)
 
     def state(self) -> tuple[dict[str, Any], Arrays]:
-        arrays: Arrays = {"default_tokens": self.default_tokens, "trained_models": self.trained_models}
+        arrays: Arrays = {
+            "default_tokens": self.default_tokens,
+            "trained_models": self.trained_models,
+        }
         if self.coef is not None and self.smear is not None:
             arrays["coef"] = self.coef
             arrays["smear"] = self.smear
@@ -111,7 +124,7 @@ class LengthPredictor:
 
     @classmethod
     def from_state(cls, params: dict[str, Any], arrays: Arrays) -> LengthPredictor:
-        lp = cls(params["models"], arrays["default_tokens"].astype(np.float64))
+        lp = cls(params["models"], [float(x) for x in arrays["default_tokens"]])
         lp.trained_models = arrays["trained_models"].astype(bool)
         if "coef" in arrays:
             lp.coef = arrays["coef"].astype(np.float64)

@@ -40,7 +40,9 @@ class ReplicateEstimator(Protocol):
 
     name: str
 
-    def fit(self, X: Float32Array, Y: FloatArray, n_replicates: int, seed: int) -> ReplicateEstimator: ...
+    def fit(
+        self, X: Float32Array, Y: FloatArray, n_replicates: int, seed: int
+    ) -> ReplicateEstimator: ...
 
     def predict_replicates(self, X: Float32Array) -> npt.NDArray[np.float32]: ...
 
@@ -59,12 +61,16 @@ def bootstrap_weights(n: int, n_replicates: int, seed: int) -> FloatArray:
     return w
 
 
-def check_xy(X: Float32Array, Y: FloatArray) -> tuple[Float32Array, FloatArray, npt.NDArray[np.bool_]]:
+def check_xy(
+    X: Float32Array, Y: FloatArray
+) -> tuple[Float32Array, FloatArray, npt.NDArray[np.bool_]]:
     """Validate shapes; return float32 features, scores with nan -> 0, and the observed mask."""
     X = np.ascontiguousarray(X, dtype=np.float32)
     Y = np.asarray(Y, dtype=np.float64)
     if X.ndim != 2 or Y.ndim != 2 or X.shape[0] != Y.shape[0]:
-        raise ValueError(f"X must be [n, d] and Y [n, m] with the same n, got {X.shape} and {Y.shape}")
+        raise ValueError(
+            f"X must be [n, d] and Y [n, m] with the same n, got {X.shape} and {Y.shape}"
+        )
     if X.shape[0] == 0:
         raise ValueError("no training queries")
     mask = ~np.isnan(Y)

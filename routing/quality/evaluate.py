@@ -32,7 +32,9 @@ def route_per_query(a: FloatArray, c_hat: FloatArray, lam: float) -> IntArray:
     return out
 
 
-def lambda_for_budget(a: FloatArray, c_hat: FloatArray, budget_usd: float, iters: int = 60) -> float:
+def lambda_for_budget(
+    a: FloatArray, c_hat: FloatArray, budget_usd: float, iters: int = 60
+) -> float:
     """Smallest ``lambda >= 0`` (to bisection precision) with predicted spend <= budget.
 
     If even the cheapest model per query breaks the budget, returns the ``lambda``
@@ -107,15 +109,27 @@ def evaluate_routing(
         budget = f * best_cost
         point = routed_outcome(mean, c_hat, scores, cost, budget)
         robust = routed_outcome(lower, c_hat, scores, cost, budget)
-        gain = (robust["quality"] - point["quality"]) / point["quality"] if point["quality"] > 0 else float("nan")
+        gain = (
+            (robust["quality"] - point["quality"]) / point["quality"]
+            if point["quality"] > 0
+            else float("nan")
+        )
         out["budgets"].append(
-            {"fraction": float(f), "budget_usd": budget, "point": point, "robust": robust, "robust_gain": gain}
+            {
+                "fraction": float(f),
+                "budget_usd": budget,
+                "point": point,
+                "robust": robust,
+                "robust_gain": gain,
+            }
         )
     grid = np.linspace(0.05, 1.0, curve_points)
     curves: dict[str, list[float]] = {"fraction": grid.tolist(), "point": [], "robust": []}
     for f in grid:
         curves["point"].append(routed_outcome(mean, c_hat, scores, cost, f * best_cost)["quality"])
-        curves["robust"].append(routed_outcome(lower, c_hat, scores, cost, f * best_cost)["quality"])
+        curves["robust"].append(
+            routed_outcome(lower, c_hat, scores, cost, f * best_cost)["quality"]
+        )
     width = float(grid[-1] - grid[0])
     out["curve"] = curves
     out["auc_point"] = float(np.trapezoid(curves["point"], grid) / width)
@@ -138,7 +152,9 @@ def evaluate_predictor(
 
     missing = [mdl for mdl in predictor.models if mdl not in data.models]
     if missing:
-        raise ValueError(f"the data has no scores for predictor model(s) {missing}; data models: {data.models}")
+        raise ValueError(
+            f"the data has no scores for predictor model(s) {missing}; data models: {data.models}"
+        )
     data = data.select_models(predictor.models)
     n_all = data.n
     n_seen = 0
@@ -155,14 +171,22 @@ def evaluate_predictor(
     est = predictor.predict_features(X)
     raw_lower = predictor.bootstrap_lower(X)
     out_tok = predictor.length.predict_features(data.prompt_tokens, X)
-    c_hat = cost_usd(data.prompt_tokens, out_tok, predictor.input_usd_per_token, predictor.output_usd_per_token)
+    c_hat = cost_usd(
+        data.prompt_tokens, out_tok, predictor.input_usd_per_token, predictor.output_usd_per_token
+    )
     prior = np.where(np.isnan(data.output_tokens), out_tok, data.output_tokens)
     realised = data.cost_usd.copy()
-    formula = cost_usd(data.prompt_tokens, prior, data.input_usd_per_token, data.output_usd_per_token)
+    formula = cost_usd(
+        data.prompt_tokens, prior, data.input_usd_per_token, data.output_usd_per_token
+    )
     realised = np.where(np.isnan(realised), formula, realised)
-    report = evaluate_routing(est.mean, est.lower, data.scores, realised, c_hat, data.models, budget_fractions)
+    report = evaluate_routing(
+        est.mean, est.lower, data.scores, realised, c_hat, data.models, budget_fractions
+    )
     known = ~np.isnan(data.output_tokens)
-    length_mae = float(np.abs(out_tok[known] - data.output_tokens[known]).mean()) if known.any() else None
+    length_mae = (
+        float(np.abs(out_tok[known] - data.output_tokens[known]).mean()) if known.any() else None
+    )
     ok = ~np.isnan(data.scores)
     head = {
         "estimator": predictor.meta.get("estimator", predictor.estimator.name),

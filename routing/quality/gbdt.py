@@ -68,7 +68,9 @@ class GBDTEstimator:
         leaf = self.booster.predict(Xs, pred_leaf=True, num_threads=self.num_threads)
         return np.asarray(leaf, dtype=np.int64).reshape(len(Xs), -1)
 
-    def fit(self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0) -> GBDTEstimator:
+    def fit(
+        self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0
+    ) -> GBDTEstimator:
         X, Yz, mask = check_xy(X, Y)
         n, d = X.shape
         m = Yz.shape[1]
@@ -107,7 +109,9 @@ class GBDTEstimator:
         offs = (np.arange(B) * L)[:, None]
         for t in range(T):
             flat = (offs + leaf[None, :, t]).ravel()
-            s = np.bincount(flat, weights=(w * (y[None] - f)).ravel(), minlength=B * L).reshape(B, L)
+            s = np.bincount(flat, weights=(w * (y[None] - f)).ravel(), minlength=B * L).reshape(
+                B, L
+            )
             c = np.bincount(flat, weights=w.ravel(), minlength=B * L).reshape(B, L)
             v = self.learning_rate * s / (c + self.lambda_l2)
             V[:, t] = v

@@ -32,7 +32,9 @@ def _sigmoid(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
 class IRTEstimator:
     name = "irt"
 
-    def __init__(self, n_traits: int = 8, l2: float = 1e-3, max_iter: int = 300, seed: int = 0) -> None:
+    def __init__(
+        self, n_traits: int = 8, l2: float = 1e-3, max_iter: int = 300, seed: int = 0
+    ) -> None:
         if n_traits < 1:
             raise ValueError(f"n_traits must be >= 1, got {n_traits}")
         self.n_traits = n_traits
@@ -83,11 +85,15 @@ class IRTEstimator:
             grad = np.concatenate([gW.reshape(B, -1), gA.reshape(B, -1), gb], axis=1).ravel()
             return loss, grad
 
-        res = minimize(fun, init.ravel(), jac=True, method="L-BFGS-B", options={"maxiter": self.max_iter})
+        res = minimize(
+            fun, init.ravel(), jac=True, method="L-BFGS-B", options={"maxiter": self.max_iter}
+        )
         out: npt.NDArray[np.float64] = np.asarray(res.x).reshape(B, per)
         return out
 
-    def fit(self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0) -> IRTEstimator:
+    def fit(
+        self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0
+    ) -> IRTEstimator:
         X32, Yz, mask = check_xy(X, Y)
         Xd = X32.astype(np.float64)
         n, d = Xd.shape
@@ -123,7 +129,12 @@ class IRTEstimator:
 
     def state(self) -> tuple[dict[str, Any], Arrays]:
         assert self.W is not None and self.A is not None and self.b is not None
-        params = {"n_traits": self.n_traits, "l2": self.l2, "max_iter": self.max_iter, "seed": self.seed}
+        params = {
+            "n_traits": self.n_traits,
+            "l2": self.l2,
+            "max_iter": self.max_iter,
+            "seed": self.seed,
+        }
         return params, {"W": self.W, "A": self.A, "b": self.b}
 
     @classmethod

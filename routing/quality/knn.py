@@ -22,7 +22,9 @@ from routing.types import FloatArray
 class KNNEstimator:
     name = "knn"
 
-    def __init__(self, k: int = 24, semantic_dims: int | None = None, prior_weight: float = 1.0) -> None:
+    def __init__(
+        self, k: int = 24, semantic_dims: int | None = None, prior_weight: float = 1.0
+    ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.k = k
@@ -41,7 +43,9 @@ class KNNEstimator:
         out: Float32Array = z / np.maximum(norm, 1e-12)
         return out
 
-    def fit(self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0) -> KNNEstimator:
+    def fit(
+        self, X: Float32Array, Y: FloatArray, n_replicates: int = 20, seed: int = 0
+    ) -> KNNEstimator:
         X, Yz, mask = check_xy(X, Y)
         self.Z = self._z(X)
         self.Y = Yz.astype(np.float32)
@@ -54,12 +58,22 @@ class KNNEstimator:
         return self
 
     def predict_replicates(self, X: Float32Array) -> npt.NDArray[np.float32]:
-        if self.Z is None or self.Y is None or self.M is None or self.W is None or self.prior is None:
+        if (
+            self.Z is None
+            or self.Y is None
+            or self.M is None
+            or self.W is None
+            or self.prior is None
+        ):
             raise RuntimeError("KNNEstimator: fit() before predict")
         z = self._z(X)
         sim = z @ self.Z.T  # [n, n_train]
         k = min(self.k, sim.shape[1])
-        idx = np.argpartition(-sim, k - 1, axis=1)[:, :k] if k < sim.shape[1] else np.tile(np.arange(k), (len(z), 1))
+        idx = (
+            np.argpartition(-sim, k - 1, axis=1)[:, :k]
+            if k < sim.shape[1]
+            else np.tile(np.arange(k), (len(z), 1))
+        )
         s = np.maximum(np.take_along_axis(sim, idx, axis=1), 0.0) + 1e-3  # [n, k]
         w = self.W[:, idx] * s[None]  # [B, n, k]
         ym = self.Y[idx] * self.M[idx]  # [n, k, m]
@@ -73,12 +87,20 @@ class KNNEstimator:
     def state(self) -> tuple[dict[str, Any], Arrays]:
         assert self.Z is not None and self.Y is not None and self.M is not None
         assert self.W is not None and self.prior is not None
-        params = {"k": self.k, "semantic_dims": self.semantic_dims, "prior_weight": self.prior_weight}
+        params = {
+            "k": self.k,
+            "semantic_dims": self.semantic_dims,
+            "prior_weight": self.prior_weight,
+        }
         arrays: Arrays = {"Z": self.Z, "Y": self.Y, "M": self.M, "W": self.W, "prior": self.prior}
         return params, arrays
 
     @classmethod
     def from_state(cls, params: dict[str, Any], arrays: Arrays) -> KNNEstimator:
-        e = cls(k=int(params["k"]), semantic_dims=params["semantic_dims"], prior_weight=float(params["prior_weight"]))
+        e = cls(
+            k=int(params["k"]),
+            semantic_dims=params["semantic_dims"],
+            prior_weight=float(params["prior_weight"]),
+        )
         e.Z, e.Y, e.M, e.W, e.prior = (arrays[k] for k in ("Z", "Y", "M", "W", "prior"))
         return e

@@ -38,7 +38,10 @@ Float32Array = npt.NDArray[np.float32]
 def text_hashes(texts: Sequence[str]) -> npt.NDArray[np.uint64]:
     """64-bit content hash per text (leakage checks between training and evaluation)."""
     return np.fromiter(
-        (int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest(), "little") for t in texts),
+        (
+            int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest(), "little")
+            for t in texts
+        ),
         np.uint64,
         len(texts),
     )
@@ -48,7 +51,9 @@ class ArtefactError(ValueError):
     """An artefact file that is not a predictor this code can load."""
 
 
-def make_estimator(name: str, semantic_dims: int | None = None, **kwargs: Any) -> ReplicateEstimator:
+def make_estimator(
+    name: str, semantic_dims: int | None = None, **kwargs: Any
+) -> ReplicateEstimator:
     if name == "knn":
         return KNNEstimator(semantic_dims=semantic_dims, **kwargs)
     if name == "gbdt":
@@ -58,8 +63,10 @@ def make_estimator(name: str, semantic_dims: int | None = None, **kwargs: Any) -
     raise ValueError(f"unknown estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
 
 
-def _estimator_from_state(name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> Any:
-    cls = {"knn": KNNEstimator, "gbdt": GBDTEstimator, "irt": IRTEstimator}.get(name)
+def _estimator_from_state(
+    name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+) -> Any:
+    cls: Any = {"knn": KNNEstimator, "gbdt": GBDTEstimator, "irt": IRTEstimator}.get(name)
     if cls is None:
         raise ArtefactError(f"unknown estimator {name!r} in artefact")
     return cls.from_state(params, arrays)
@@ -141,12 +148,16 @@ class QualityPredictor:
         out: FloatArray = np.quantile(R, 1.0 - self.level, axis=0).astype(np.float64)
         return out
 
-    def predict_output_tokens(self, texts: Sequence[str], prompt_tokens: IntArray | None = None) -> FloatArray:
+    def predict_output_tokens(
+        self, texts: Sequence[str], prompt_tokens: IntArray | None = None
+    ) -> FloatArray:
         p = estimate_prompt_tokens(texts) if prompt_tokens is None else prompt_tokens
         return self.length.predict(texts, p)
 
     def predict_cost_usd(self, prompt_tokens: IntArray, output_tokens: FloatArray) -> FloatArray:
-        return cost_usd(prompt_tokens, output_tokens, self.input_usd_per_token, self.output_usd_per_token)
+        return cost_usd(
+            prompt_tokens, output_tokens, self.input_usd_per_token, self.output_usd_per_token
+        )
 
     # ------------------------------------------------------------------ artefact
 
@@ -200,7 +211,9 @@ def load_predictor(path: str | Path) -> QualityPredictor:
             raise ArtefactError(f"{path}: not a predictor artefact (no header)")
         header = json.loads(bytes(npz["header"]).decode("utf-8"))
         if header.get("format") != ARTEFACT_FORMAT:
-            raise ArtefactError(f"{path}: format {header.get('format')!r}, expected {ARTEFACT_FORMAT!r}")
+            raise ArtefactError(
+                f"{path}: format {header.get('format')!r}, expected {ARTEFACT_FORMAT!r}"
+            )
         if header.get("version") != ARTEFACT_VERSION:
             raise ArtefactError(
                 f"{path}: artefact version {header.get('version')}, this code reads version {ARTEFACT_VERSION}; "
@@ -212,8 +225,12 @@ def load_predictor(path: str | Path) -> QualityPredictor:
         p = prefix + "__"
         return {k[len(p) :]: v for k, v in arrays.items() if k.startswith(p)}
 
-    feat = featurizer_from_state(header["featurizer"]["name"], header["featurizer"]["params"], part("feat"))
-    est = _estimator_from_state(header["estimator"]["name"], header["estimator"]["params"], part("est"))
+    feat = featurizer_from_state(
+        header["featurizer"]["name"], header["featurizer"]["params"], part("feat")
+    )
+    est = _estimator_from_state(
+        header["estimator"]["name"], header["estimator"]["params"], part("est")
+    )
     length = LengthPredictor.from_state(header["length"], part("len"))
     return QualityPredictor(
         models=list(header["models"]),
@@ -282,7 +299,9 @@ def train_predictor(
             "n_calibration_queries": cal_part.n,
             "n_replicates": n_replicates,
             "seed": seed,
-            "calibration_coverage": coverage(mean - conformal_kappa(scores, level) * (std + s0), cal_part.scores),
+            "calibration_coverage": coverage(
+                mean - conformal_kappa(scores, level) * (std + s0), cal_part.scores
+            ),
             "estimator": est.name,
             "featurizer": feat.name,
         },

@@ -11,14 +11,18 @@ from pathlib import Path
 
 import typer
 
-FORMAT_HELP = "irt-wide (ccf20 scores.csv.gz), long (dc9 scores_long.csv.gz) or nq-records (nq6 JSON Lines)"
+FORMAT_HELP = (
+    "irt-wide (ccf20 scores.csv.gz), long (dc9 scores_long.csv.gz) or nq-records (nq6 JSON Lines)"
+)
 
 
 def _fractions(text: str) -> list[float]:
     try:
         out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter(f"--budget-fractions must be comma-separated numbers, got {text!r}") from None
+        raise typer.BadParameter(
+            f"--budget-fractions must be comma-separated numbers, got {text!r}"
+        ) from None
     if not out or any(not 0 < f for f in out):
         raise typer.BadParameter(f"--budget-fractions must be numbers > 0, got {text!r}")
     return out
@@ -39,11 +43,17 @@ def register(app: typer.Typer) -> None:
         ),
         estimator: str = typer.Option("knn", "--estimator", help="knn, gbdt or irt"),
         out: Path = typer.Option(..., "--out", help="Artefact file to write (.npz)"),
-        featurizer: str = typer.Option("hashed", "--featurizer", help="hashed, minilm (optional extra) or auto"),
+        featurizer: str = typer.Option(
+            "hashed", "--featurizer", help="hashed, minilm (optional extra) or auto"
+        ),
         replicates: int = typer.Option(20, "--replicates", min=2, help="Bootstrap replicates B"),
-        level: float = typer.Option(0.9, "--level", help="Nominal coverage of the robust lower bound"),
+        level: float = typer.Option(
+            0.9, "--level", help="Nominal coverage of the robust lower bound"
+        ),
         test_fraction: float = typer.Option(
-            0.2, "--test-fraction", help="Queries held out from training (for eval-quality); 0 = train on all"
+            0.2,
+            "--test-fraction",
+            help="Queries held out from training (for eval-quality); 0 = train on all",
         ),
         seed: int = typer.Option(0, "--seed"),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
@@ -93,16 +103,24 @@ def register(app: typer.Typer) -> None:
 
     @app.command("eval-quality")
     def eval_quality(
-        predictor: Path = typer.Option(..., "--predictor", help="Artefact written by `switchyard train`"),
+        predictor: Path = typer.Option(
+            ..., "--predictor", help="Artefact written by `switchyard train`"
+        ),
         data: Path = typer.Option(..., "--data", help="Routing data file"),
         format: str = typer.Option("long", "--format", help=FORMAT_HELP),
         models_csv: Path | None = typer.Option(None, "--models-csv", help="Per-model prices"),
         budget_fractions: str = typer.Option(
-            "0.1,0.25,0.5", "--budget-fractions", help="Budgets as fractions of the best single model's cost"
+            "0.1,0.25,0.5",
+            "--budget-fractions",
+            help="Budgets as fractions of the best single model's cost",
         ),
-        level: float | None = typer.Option(None, "--level", help="Override the predictor's nominal level"),
+        level: float | None = typer.Option(
+            None, "--level", help="Override the predictor's nominal level"
+        ),
         include_seen: bool = typer.Option(
-            False, "--include-seen", help="Also evaluate queries the predictor was trained on (leaks!)"
+            False,
+            "--include-seen",
+            help="Also evaluate queries the predictor was trained on (leaks!)",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
     ) -> None:

