@@ -74,6 +74,12 @@ def make_timing(
 
 
 def timing_for_model(spec: ModelSpec, noise_sigma: float = 0.0) -> TimingSource:
+    """The model's explicit ``step_time`` coefficients, else its ``profile``'s tables."""
+    if spec.step_time is None and not spec.profile:
+        raise ValueError(
+            f"model {spec.name!r} has neither step_time coefficients nor a profile: "
+            "a simulated engine needs one of them"
+        )
     return make_timing(profile=spec.profile, coefficients=spec.step_time, noise_sigma=noise_sigma)
 
 

@@ -20,6 +20,19 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
+def _describe(exc: BaseException) -> str:
+    """One readable line for a config error (pydantic errors name the field and the rule)."""
+    from pydantic import ValidationError
+
+    from schemas.errors import describe_validation_error
+
+    if isinstance(exc, ValidationError):
+        return describe_validation_error(exc)
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc)
+
+
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(2)
@@ -69,13 +82,13 @@ def register(app: typer.Typer) -> None:
             spec = cfg.model_of(instance)
             settings = Settings.from_env()
         except (KeyError, ValueError, OSError, SettingsError) as exc:
-            raise _fail(f"{cluster}: {exc}") from None
+            raise _fail(f"{cluster}: {_describe(exc)}") from None
         try:
             be = _backend(
                 backend, cfg, instance, spec, endpoint, served_model, time_scale, seed, concurrency
             )
         except ValueError as exc:
-            raise _fail(str(exc)) from None
+            raise _fail(_describe(exc)) from None
         code = asyncio.run(
             _run_worker(
                 cfg, instance, be, settings, concurrency, heartbeat_s, metrics_host, metrics_port
@@ -155,7 +168,7 @@ def register(app: typer.Typer) -> None:
                 ),
             )
         except (KeyError, ValueError, OSError) as exc:
-            raise _fail(str(exc)) from None
+            raise _fail(_describe(exc)) from None
         asyncio.run(_serve(server, host, port))
 
 

@@ -1,0 +1,133 @@
+"""``switchyard worker`` as a process: settings from the environment, results published,
+a clean exit on SIGTERM; a bad cluster file is refused with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from schemas import Decision, Query, RoutedQuery
+from switchyard import topics
+from switchyard.client import SwitchyardClient
+
+pytestmark = pytest.mark.integration
+
+
+def _cluster_file(tmp_path: Path, iid: str) -> Path:
+    path = tmp_path / "cluster.json"
+    path.write_text(
+        json.dumps(
+            {
+                "models": [
+                    {
+                        "name": "tiny",
+                        "input_usd_per_token": 1e-6,
+                        "output_usd_per_token": 2e-6,
+                        "max_concurrency": 4,
+                        "step_time": {
+                            "c0_ms": 3,
+                            "c1_ms_per_token": 0.01,
+                            "c2_ms_per_ctx_token": 0,
+                            "c3_ms_per_attn_unit": 0,
+                        },
+                    }
+                ],
+                "instances": [{"id": iid, "model": "tiny"}],
+            }
+        )
+    )
+    return path
+
+
+async def test_worker_command_runs_and_stops_cleanly(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    iid = "cli-" + uuid.uuid4().hex[:8]
+    env = {
+        **os.environ,
+        "SWITCHYARD_KAFKA": kafka_bootstrap,
+        "SWITCHYARD_REDIS": redis_url,
+        "SWITCHYARD_NAMESPACE": "cli" + uuid.uuid4().hex[:6],
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "switchyard.cli",
+        "worker",
+        "--instance",
+        iid,
+        "--cluster",
+        str(_cluster_file(tmp_path, iid)),
+        "--backend",
+        "sim",
+        "--time-scale",
+        "4",
+    ]
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        async with SwitchyardClient(kafka_bootstrap) as client:
+            producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+            await producer.start()
+            try:
+                ids = []
+                for i in range(3):
+                    q = Query(id=f"{iid}-{i}", prompt="hello there", max_tokens=5)
+                    d = Decision(
+                        query_id=q.id,
+                        tenant="default",
+                        status="routed",
+                        instance_id=iid,
+                        policy="test",
+                        decided_at=time.time(),
+                    )
+                    await producer.send_and_wait(
+                        topics.route(iid),
+                        RoutedQuery(query=q, decision=d).model_dump_json().encode(),
+                    )
+                    ids.append(q.id)
+            finally:
+                await producer.stop()
+            for qid in ids:
+                r = await client.result(qid, timeout_s=45)
+                assert r.error is None and r.output_tokens == 5 and r.instance_id == iid
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the process this test started, by pid
+        rc = proc.wait(timeout=30)
+    text = log.read_text()
+    assert rc == 0, text
+    assert f"worker {iid}: sim backend, model tiny, concurrency 4" in text
+    assert "'results': 3" in text
+
+
+def test_worker_command_refuses_a_bad_cluster_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"models": [], "instances": []}))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "switchyard.cli",
+            "worker",
+            "--instance",
+            "x",
+            "--cluster",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"error: {bad}:" in proc.stderr and "models" in proc.stderr
