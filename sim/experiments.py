@@ -82,6 +82,8 @@ class ExperimentInputs:
     quick: bool = False
     seed: int = 0
     command: str = ""
+    replicates: int | None = None  # bootstrap replicates (default: 8 quick, 20 full)
+    estimator: str = "gbdt"  # the quality estimator of every experiment but ``robust``
 
 
 @dataclass
@@ -122,18 +124,21 @@ def split(data: RoutingData, seed: int) -> tuple[RoutingData, RoutingData]:
     return split_by_query(data, 0.3, seed)
 
 
+def replicates(inputs: ExperimentInputs) -> int:
+    """Bootstrap replicates of the quality predictors (fewer in quick runs)."""
+    return inputs.replicates or (8 if inputs.quick else 20)
+
+
 def offline(
     train: RoutingData,
     test: RoutingData,
     estimator: str,
-    quick: bool,
+    n_replicates: int,
     seed: int,
     level: float = 0.9,
 ) -> Offline:
     """Train ``estimator`` on ``train``; predict quality, length and cost on ``test``."""
-    pred = train_predictor(
-        train, estimator, n_replicates=8 if quick else 20, level=level, seed=seed
-    )
+    pred = train_predictor(train, estimator, n_replicates=n_replicates, level=level, seed=seed)
     est = pred.predict(test.texts)
     out_tok = pred.predict_output_tokens(test.texts, test.prompt_tokens)
     c_hat = pred.predict_cost_usd(test.prompt_tokens, out_tok)
@@ -224,7 +229,7 @@ def run_batching(inputs: ExperimentInputs, progress: Progress | None = None) -> 
     t0 = time.perf_counter()
     data = load_data(inputs)
     train, test = split(data, inputs.seed)
-    off = offline(train, test, "gbdt", inputs.quick, inputs.seed)
+    off = offline(train, test, inputs.estimator, replicates(inputs), inputs.seed)
     a, c_hat = off.lower, off.c_hat
     batch_size = 64 if inputs.quick else 128
     n_rounds = 2 if inputs.quick else 10
@@ -377,7 +382,7 @@ def run_robust(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
     rows: list[dict[str, Any]] = []
     order = rng.permutation(test.n)
     for est in estimators:
-        off = offline(train, test, est, inputs.quick, inputs.seed)
+        off = offline(train, test, est, replicates(inputs), inputs.seed)
         j_best, _, _ = best_single(off.scores, off.cost)
         batches = make_batches(order, batch_size)
         per_budget = []
@@ -543,7 +548,9 @@ def sim_setup(inputs: ExperimentInputs) -> SimSetup:
     data = load_data(inputs)
     train, test = split(data, inputs.seed)
     cluster = ClusterConfig.from_file(inputs.cluster_path)
-    pred = train_predictor(train, "gbdt", n_replicates=8 if inputs.quick else 20, seed=inputs.seed)
+    pred = train_predictor(
+        train, inputs.estimator, n_replicates=replicates(inputs), seed=inputs.seed
+    )
     lengths = (
         load_trace(inputs.trace_path)
         if inputs.trace_path is not None and inputs.trace_path.exists()
@@ -922,8 +929,8 @@ def run_allocation(inputs: ExperimentInputs, progress: Progress | None = None) -
         )
     g = np.array([max(spec[m].gpus_per_instance, 1) for m in data.models], dtype=np.int64)
     slots = np.array([spec[m].max_concurrency for m in data.models], dtype=np.int64)
-    off = offline(train, test, "gbdt", inputs.quick, inputs.seed)
-    window = 256 if inputs.quick else 512
+    off = offline(train, test, inputs.estimator, replicates(inputs), inputs.seed)
+    window = min(256 if inputs.quick else 512, train.n, test.n)
     rng = np.random.default_rng(inputs.seed)
     n_hist = 2 if inputs.quick else 4
     n_eval = 2 if inputs.quick else 6

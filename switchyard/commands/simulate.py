@@ -294,7 +294,8 @@ def register(app: typer.Typer) -> None:
             return
         trace_path = resolve_trace(trace, shared_data("traces"))
         cmd = "switchyard experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        suffix = "-quick" if quick else ""
+        tag = "" if data is None else f"-{data_path.parent.name}"
+        suffix = tag + ("-quick" if quick else "")
         inputs = ex.ExperimentInputs(
             data_path,
             fmt,

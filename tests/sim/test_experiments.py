@@ -1,0 +1,141 @@
+"""Experiment harness: batch ILP vs per-query, allocation, JSON keys (sim/experiments.py)."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from sim import experiments as ex
+from sim.traffic import adversarial_order
+
+
+def _synthetic(n: int = 400, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Three models: cheap solves easy queries, mid medium, dear nearly all."""
+    rng = np.random.default_rng(seed)
+    hard = rng.random(n)
+    a = np.stack([1 - hard, 1 - 0.6 * hard, 1 - 0.1 * hard], axis=1)
+    c = np.array([1.0, 3.0, 10.0])[None, :] * (1 + rng.random((n, 1)))
+    return a, c
+
+
+def test_batch_ilp_meets_budget_and_beats_per_query_at_equal_money() -> None:
+    a, c = _synthetic()
+    budget = 4.0 * 50
+    rng = np.random.default_rng(1)
+    batches = ex.make_batches(rng.permutation(a.shape[0]), 50)
+    lam = ex.lambda_for_budget(a, c, budget / 50 * a.shape[0])
+    ilp = [ex.solve_batch(a[r], c[r], budget) for r in batches]
+    hard = [ex.per_query_enforced(a[r], c[r], lam, budget) for r in batches]
+    for pick, r in zip(ilp, batches, strict=True):
+        assert c[r[pick >= 0], pick[pick >= 0]].sum() <= budget * (1 + 1e-9)
+    for pick, r in zip(hard, batches, strict=True):
+        assert c[r[pick >= 0], pick[pick >= 0]].sum() <= budget * (1 + 1e-9)
+    q_ilp = ex.score_batches(ilp, batches, a, c, budget)
+    q_hard = ex.score_batches(hard, batches, a, c, budget)
+    assert q_ilp.breaches == 0 and q_hard.breaches == 0
+    assert q_ilp.quality >= q_hard.quality
+
+
+def test_adversarial_batches_make_one_lambda_per_query_routing_break_budgets() -> None:
+    a, c = _synthetic(n=800)
+    budget = 4.0 * 40
+    lam = ex.lambda_for_budget(a, c, budget / 40 * a.shape[0])
+    pick = ex.route_per_query(a, c, lam)
+    own = c[np.arange(a.shape[0]), pick]
+    rng = np.random.default_rng(2)
+    rand = ex.make_batches(rng.permutation(a.shape[0]), 40)
+    adv = ex.make_batches(adversarial_order(own, 40, rng), 40)
+    o_rand = ex.score_batches([pick[r] for r in rand], rand, a, c, budget)
+    o_adv = ex.score_batches([pick[r] for r in adv], adv, a, c, budget)
+    assert o_adv.spend_usd == pytest.approx(o_rand.spend_usd)  # same queries, same money in total
+    assert o_adv.worst_over > o_rand.worst_over
+    assert o_adv.per_batch_spend.max() > o_rand.per_batch_spend.max()
+
+
+def test_allocation_respects_gpus_and_beats_uniform_on_its_windows() -> None:
+    a, c = _synthetic(n=240)
+    g = np.array([1, 2, 4])
+    slots = np.array([20, 20, 20])
+    windows = [a[:120], a[120:]]
+    costs = [c[:120], c[120:]]
+    for gpus in (4, 8, 12):
+        opt = ex.allocate_counts(windows, costs, g, slots, gpus, float("inf"))
+        uni = ex.uniform_counts(g, gpus)
+        assert (opt * g).sum() <= gpus and (uni * g).sum() <= gpus
+        rows = [np.arange(120), np.arange(120, 240)]
+        q_opt = ex.score_batches(
+            ex.route_windows(a, c, rows, opt * slots, float("inf")), rows, a, c, float("inf")
+        )
+        q_uni = ex.score_batches(
+            ex.route_windows(a, c, rows, uni * slots, float("inf")), rows, a, c, float("inf")
+        )
+        assert q_opt.quality >= q_uni.quality - 1e-9
+
+
+def _tiny_dataset(tmp: Path, n: int = 260) -> tuple[Path, Path, Path]:
+    rng = np.random.default_rng(0)
+    words = ["math", "code", "history", "poem", "proof", "sum", "list", "story"]
+    models = [("m-small", 1e-7), ("m-mid", 4e-7), ("m-big", 2e-6)]
+    data = tmp / "long.csv.gz"
+    with gzip.open(data, "wt", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["query_id", "task", "text", "model", "score"])
+        for i in range(n):
+            k = int(rng.integers(0, len(words)))
+            text = f"{words[k]} question {i} " + " ".join(rng.choice(words, 5))
+            hard = k / len(words)
+            for j, (m, _) in enumerate(models):
+                w.writerow(
+                    [f"q{i}", words[k], text, m, float(rng.random() < 1 - hard * (1 - 0.4 * j))]
+                )
+    prices = tmp / "models.csv"
+    prices.write_text(
+        "model,input_usd_per_token,output_usd_per_token\n"
+        + "".join(f"{m},{p},{p}\n" for m, p in models)
+    )
+    cluster = tmp / "cluster.yaml"
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {
+                        "name": m,
+                        "input_usd_per_token": p,
+                        "output_usd_per_token": p,
+                        "gpus_per_instance": g,
+                        "max_concurrency": 16,
+                        "step_time": {
+                            "c0_ms": 5.0,
+                            "c1_ms_per_token": 0.02,
+                            "c2_ms_per_ctx_token": 1e-5,
+                            "c3_ms_per_attn_unit": 1e-7,
+                        },
+                    }
+                    for (m, p), g in zip(models, (1, 2, 4), strict=True)
+                ],
+                "instances": [{"id": f"{m}-0", "model": m} for m, _ in models],
+            }
+        )
+    )
+    return data, prices, cluster
+
+
+def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
+    data, prices, cluster = _tiny_dataset(tmp_path)
+    inputs = ex.ExperimentInputs(
+        data, "long", prices, cluster, tmp_path, quick=True, replicates=3, estimator="knn"
+    )
+    b = ex.run("batching", inputs)
+    for kind in ("random", "adversarial"):
+        assert {"batch", "per_query", "gain"} <= set(b.json[kind])
+    assert set(b.json["budget_breaches"]) >= {"batch", "per_query"}
+    assert b.json["budget_breaches"]["batch"] == {"random": 0, "adversarial": 0}
+    assert b.png.exists()
+    al = ex.run("allocation", inputs)
+    assert {"gain", "gpus_to_match_best_single", "gpus_best_single"} <= set(al.json)
+    assert al.png.exists() and "| GPUs |" in al.markdown()
