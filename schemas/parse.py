@@ -71,9 +71,34 @@ def decode_json(raw: bytes | bytearray | memoryview | None, limits: Limits = Lim
         raise BadMessage(
             f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except ValueError as exc:  # int() refuses literals past sys.get_int_max_str_digits()
+        raise BadMessage(f"malformed JSON: {str(exc).split(':')[0]}") from None
     if _depth(value, limits.max_json_depth) > limits.max_json_depth:
         raise BadMessage(f"JSON nested deeper than {limits.max_json_depth} levels")
+    if "\\ud" in text or "\\uD" in text:
+        _reject_lone_surrogates(value)
     return value
+
+
+def _reject_lone_surrogates(value: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``); no UTF-8 text can carry it,
+    so the query could never be forwarded (Kafka, pydantic and HTTP clients all refuse it)."""
+    stack: list[Any] = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                code = ord(node[exc.start])
+                raise BadMessage(
+                    f"string has a lone UTF-16 surrogate \\u{code:04x}, which is not valid Unicode"
+                ) from None
 
 
 def parse_model(model: type[M], raw: bytes | None, limits: Limits = Limits(), what: str = "") -> M:
