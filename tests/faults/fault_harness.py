@@ -417,26 +417,26 @@ class TopicReader:
     async def _read(self, topic: str) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        consumer = AIOKafkaConsumer(
-            **self.kafka_kwargs,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_partition_fetch_bytes=4 * 1_048_576,
-            fetch_max_bytes=16 * 1_048_576,
-        )
+        consumer: Any = None
         try:
-            await consumer.start()
             parts: set[int] = set()
-            while not parts and not self._stop.is_set():
-                with contextlib.suppress(Exception):
-                    await consumer.topics()
-                parts = consumer.partitions_for_topic(topic) or set()
-                if not parts:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), 0.5)
-            tps = [TopicPartition(topic, p) for p in sorted(parts)]
-            if not tps:
+            while not self._stop.is_set():
+                parts = await _partitions(self.kafka_kwargs, topic)
+                if parts:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 0.5)
+            if not parts:
                 return
+            consumer = AIOKafkaConsumer(
+                **self.kafka_kwargs,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_partition_fetch_bytes=4 * 1_048_576,
+                fetch_max_bytes=16 * 1_048_576,
+            )
+            await consumer.start()
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             while not self._stop.is_set():
@@ -453,8 +453,9 @@ class TopicReader:
                 self.error = exc
             raise
         finally:
-            with contextlib.suppress(Exception):
-                await consumer.stop()
+            if consumer is not None:
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
 
     def _add(self, topic: str, value: bytes | None) -> None:
         self.records += 1
@@ -480,6 +481,26 @@ class TopicReader:
     def check(self) -> None:
         if self.error is not None:
             raise HarnessError(f"topic reader failed: {self.error!r}")
+
+
+async def _partitions(kafka_kwargs: Mapping[str, Any], topic: str) -> set[int]:
+    """Partition ids of ``topic`` (empty while it does not exist or the broker is away)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**dict(kafka_kwargs))
+    try:
+        await admin.start()
+        described = await admin.describe_topics([topic])
+    except Exception:
+        return set()
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+    out: set[int] = set()
+    for entry in described:
+        if entry.get("topic") == topic and not entry.get("error_code"):
+            out |= {int(p["partition"]) for p in entry.get("partitions", [])}
+    return out
 
 
 async def produce_all(
@@ -549,3 +570,190 @@ def write_figures(scenario: str, figures: Mapping[str, Any]) -> Path:
 def timed() -> Iterator[Callable[[], float]]:
     t0 = time.monotonic()
     yield lambda: time.monotonic() - t0
+
+
+# --------------------------------------------------------------------------- the service under test
+
+FAULTS_DIR = Path(__file__).resolve().parent
+ROUTER_READY = "assigned queries partitions"
+
+
+def policy_name(prefer: str | None = None) -> str:
+    """The product's policy when ``routing.policies`` offers it, else the test-only one.
+
+    The fault scenarios check the service's guarantees, which no policy may weaken; the
+    figures record which policy ran.
+    """
+    if prefer:
+        try:
+            import routing.policies  # type: ignore[import-not-found]  # noqa: F401
+
+            return prefer
+        except ImportError:
+            pass
+    return "faults_policy:factory"
+
+
+def cluster_spec(
+    prefix: str,
+    *,
+    n_small: int = 2,
+    n_large: int = 1,
+    max_concurrency: int = 64,
+    tenants: Mapping[str, float] | None = None,
+    period_s: float = 86_400.0,
+) -> dict[str, Any]:
+    """A small two-model cluster: cheap ``small`` instances and one pricey ``large`` one."""
+    models = [
+        {
+            "name": "small",
+            "input_usd_per_token": 1e-7,
+            "output_usd_per_token": 2e-7,
+            "max_concurrency": max_concurrency,
+            "step_time": {
+                "c0_ms": 5.0,
+                "c1_ms_per_token": 0.01,
+                "c2_ms_per_ctx_token": 0.0001,
+                "c3_ms_per_attn_unit": 0.0,
+            },
+        },
+        {
+            "name": "large",
+            "input_usd_per_token": 1e-6,
+            "output_usd_per_token": 3e-6,
+            "max_concurrency": max_concurrency,
+            "step_time": {
+                "c0_ms": 10.0,
+                "c1_ms_per_token": 0.02,
+                "c2_ms_per_ctx_token": 0.0002,
+                "c3_ms_per_attn_unit": 0.0,
+            },
+        },
+    ]
+    instances = [{"id": f"{prefix}-s{i}", "model": "small"} for i in range(1, n_small + 1)]
+    instances += [{"id": f"{prefix}-l{i}", "model": "large"} for i in range(1, n_large + 1)]
+    budgets = tenants if tenants is not None else {"default": 1_000_000.0}
+    return {
+        "models": models,
+        "instances": instances,
+        "tenants": [
+            {"tenant": t, "budget_usd": usd, "period_s": period_s} for t, usd in budgets.items()
+        ],
+    }
+
+
+def write_cluster(path: Path, spec: Mapping[str, Any]) -> Any:
+    from schemas import ClusterConfig
+
+    path.write_text(json.dumps(spec, indent=2))
+    return ClusterConfig.model_validate(spec)
+
+
+def service_env(owned: OwnedServices, namespace: str) -> dict[str, str]:
+    env = owned.env(namespace)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def start_router(
+    procs: Procs,
+    cluster_file: Path,
+    policy: str,
+    *,
+    window_ms: float = 50.0,
+    extra: Iterable[str] = (),
+    name: str = "router",
+    wait_s: float = 90.0,
+) -> Proc:
+    """Start ``switchyard router`` and wait until it owns ``queries`` partitions."""
+    proc = procs.start(
+        name,
+        [
+            "router",
+            "--cluster",
+            str(cluster_file),
+            "--policy",
+            policy,
+            "--window-ms",
+            f"{window_ms:g}",
+            "--loglevel",
+            "WARNING",
+            *extra,
+        ],
+    )
+    wait_router_ready(proc, wait_s)
+    return proc
+
+
+def wait_router_ready(proc: Proc, wait_s: float = 90.0, after: int = 0) -> float:
+    """Seconds until the router's log shows a partition assignment (past ``after`` chars)."""
+
+    def ready() -> bool:
+        proc.check_alive()
+        return ROUTER_READY in proc.text()[after:]
+
+    return wait_until(ready, wait_s, f"{proc.name} (pid {proc.pid}) to be assigned partitions")
+
+
+class Heartbeats:
+    """Heart-beats instances in Redis as workers would (test-side), surviving Redis outages.
+
+    ``silence(id)`` stops one instance's heartbeat (scenario 5); errors while Redis is away
+    are counted, not raised.
+    """
+
+    def __init__(
+        self,
+        redis_kwargs: Mapping[str, Any],
+        cluster: Any,
+        interval_s: float = 0.5,
+        ttl_s: float = 2.0,
+    ) -> None:
+        self.redis_kwargs = dict(redis_kwargs)
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self.silenced: set[str] = set()
+        self.errors = 0
+        self.beats = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    async def __aenter__(self) -> Heartbeats:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 15)
+
+    def silence(self, instance_id: str) -> None:
+        self.silenced.add(instance_id)
+
+    async def _run(self) -> None:
+        from state.store import StateStore
+
+        store: Any = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    if store is None:
+                        store = await StateStore.connect(**self.redis_kwargs, socket_timeout_s=2.0)
+                    for inst in self.cluster.instances:
+                        if inst.id in self.silenced:
+                            continue
+                        spec = self.cluster.model(inst.model)
+                        await store.heartbeat(inst.id, inst.model, self.ttl_s, spec.max_concurrency)
+                    self.beats += 1
+                except Exception:
+                    self.errors += 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.interval_s)
+        finally:
+            if store is not None:
+                with contextlib.suppress(Exception):
+                    await store.close()

@@ -288,20 +288,20 @@ def lone_surrogates(draw: st.DrawFn) -> Hostile:
 
 
 @st.composite
-def long_integers(draw: st.DrawFn) -> Hostile:
+def long_integers(draw: st.DrawFn, max_digits: int = 20_000) -> Hostile:
     """Integer literals past Python's 4,300-digit int-parsing limit."""
-    digits = draw(st.integers(min_value=4_301, max_value=20_000))
+    digits = draw(st.integers(min_value=4_301, max_value=max(4_301, max_digits)))
     field = draw(st.sampled_from(("seed", "ttft_slo_ms", "max_tokens", "n")))
     raw = '{"id": "q-long", "prompt": "hi", "' + field + '": ' + "9" * digits + "}"
     return Hostile(raw.encode(), "long_integer")
 
 
 @st.composite
-def deeply_nested(draw: st.DrawFn) -> Hostile:
+def deeply_nested(draw: st.DrawFn, max_depth: int = 100_000) -> Hostile:
     depth = draw(
         st.one_of(
             st.integers(min_value=LIMITS.max_json_depth + 1, max_value=200),
-            st.integers(min_value=1_000, max_value=100_000),
+            st.integers(min_value=1_000, max_value=max(1_000, max_depth)),
         )
     )
     opener, closer = draw(st.sampled_from((("[", "]"), ('{"a":', "}"))))
@@ -352,9 +352,16 @@ empties = st.sampled_from(
 
 
 def parse_bad_messages(
-    include_oversized: bool = False, include_huge: bool = True
+    include_oversized: bool = False,
+    include_huge: bool = True,
+    max_depth: int = 100_000,
+    max_digits: int = 20_000,
 ) -> st.SearchStrategy[Hostile]:
-    """Every message drawn here must fail ``schemas.parse_query`` with a ``BadMessage``."""
+    """Every message drawn here must fail ``schemas.parse_query`` with a ``BadMessage``.
+
+    ``max_depth`` / ``max_digits`` bound the size of the nesting and long-integer families
+    (a stream of 100,000 messages keeps them to a few KiB each).
+    """
     families: list[st.SearchStrategy[Hostile]] = [
         wrong_types(),
         missing_fields(),
@@ -362,8 +369,8 @@ def parse_bad_messages(
         bad_slos(),
         invalid_utf8(),
         lone_surrogates(),
-        long_integers(),
-        deeply_nested(),
+        long_integers(max_digits),
+        deeply_nested(max_depth),
         malformed_json(),
         non_objects,
         empties,
