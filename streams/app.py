@@ -148,6 +148,8 @@ def create_app(
             for it in unfinished:  # keep their offsets uncommitted (take_events acks the rest)
                 it.handle.message.incref()
             _record_lag(runtime.metrics, consumer, events)
+            while service.held_count > config.max_held:  # backpressure: stop reading for a while
+                await asyncio.sleep(config.window_s)
 
     @app.on_partitions_assigned.connect
     async def announce(sender: Any, assigned: Any = None, **_: Any) -> None:

@@ -93,7 +93,11 @@ class RouterConfig:
     max_batch: int = 1000
     stale_after_s: float = 2.0
     dedupe_ttl_s: float = 3600.0
-    max_hold_s: float = 30.0
+    max_hold_s: float = (
+        60.0  # a query waiting for capacity (or a live instance) gives up after this
+    )
+    budget_hold_s: float = 2.0  # a query deferred for budget gives up after this
+    max_held: int = 20_000  # past this many held queries the agent stops reading new ones
     pacing_factor: float = 0.0
     slot_lease_s: float | None = (
         600.0  # a slot never touched by a worker for this long is reclaimed
@@ -323,6 +327,25 @@ class RouterService:
             tenants, self._budgets, spent, period_ids, now, elapsed, self.config.pacing_factor
         )
 
+        # admission: with no free slot anywhere nothing can be placed, so the router is not
+        # asked; and it is asked about at most max_batch queries (the oldest first)
+        total_free = sum(v.free_slots for v in views)
+        if views and total_free == 0:
+            reason = "every live instance is at its capacity"
+            for p in candidates:
+                if now - p.first_seen_s < self.config.max_hold_s:
+                    self._hold_quietly(p, outs, now, reason)
+                    still_held.append(p)
+                else:
+                    why = f"gave up after {self.config.max_hold_s:g} s: {reason}"
+                    self._give_up(
+                        p, None, DecisionStatus.DEFERRED, why, now, None, outs, routed_marks
+                    )
+                    outcome.final_errors += 1
+            return
+        if len(candidates) > self.config.max_batch:
+            still_held.extend(candidates[self.config.max_batch :])
+            candidates = candidates[: self.config.max_batch]
         queries = [p.query for p in candidates]
         self.metrics.batch_size.observe(len(queries))
         if views:
@@ -390,53 +413,87 @@ class RouterService:
                 continue
             reason = lost.get(q.id) or d.reason or f"router decided {d.status.value}"
             status = DecisionStatus.DEFERRED if q.id in lost else d.status
-            if now - p.first_seen_s < self.config.max_hold_s:
-                if not p.announced:
-                    held_decision = d.model_copy(
-                        update={
-                            "status": DecisionStatus.DEFERRED,
-                            "reason": f"held for a later window: {reason}",
-                            "instance_id": None,
-                            "decided_at": now,
-                            "budget_period": pid,
-                        }
-                    )
-                    outs.append(
-                        (
-                            topics.DECISIONS,
-                            q.id.encode(),
-                            held_decision.model_dump_json(exclude_none=True).encode(),
-                        )
-                    )
-                    p.announced = True
+            limit_s = (
+                self.config.budget_hold_s if "budget" in reason.lower() else self.config.max_hold_s
+            )
+            if now - p.first_seen_s < limit_s:
+                self._hold_quietly(p, outs, now, reason, d, pid)
                 still_held.append(p)
                 continue
-            final = d.model_copy(
-                update={
-                    "status": status,
-                    "reason": f"gave up after {self.config.max_hold_s:g} s: {reason}",
-                    "instance_id": None,
-                    "decided_at": now,
-                    "budget_period": pid,
-                }
+            self._give_up(
+                p, d, status, f"gave up after {limit_s:g} s: {reason}", now, pid, outs, routed_marks
             )
-            outs.append(
-                (topics.DECISIONS, q.id.encode(), final.model_dump_json(exclude_none=True).encode())
-            )
-            result = Result(
-                query_id=q.id,
-                tenant=q.tenant,
-                instance_id="",
-                model="",
-                error=f"not routed ({status.value}): {reason}",
-                finished_at=now,
-            )
-            outs.append(
-                (topics.RESULTS, q.id.encode(), result.model_dump_json(exclude_none=True).encode())
-            )
-            routed_marks[q.id] = "-"
             outcome.final_errors += 1
-            self.metrics.decisions.labels(status.value).inc()
+
+    def _give_up(
+        self,
+        p: Pending,
+        d: Decision | None,
+        status: DecisionStatus,
+        reason: str,
+        now: float,
+        pid: str | None,
+        outs: list[tuple[str, bytes, bytes]],
+        routed_marks: dict[str, str],
+    ) -> None:
+        """Final answer for a query that will not be routed: a Decision and an error Result."""
+        q = p.query
+        final = (d or _deferred(q, reason, now)).model_copy(
+            update={
+                "status": status,
+                "reason": reason,
+                "instance_id": None,
+                "decided_at": now,
+                "budget_period": pid,
+            }
+        )
+        outs.append(
+            (topics.DECISIONS, q.id.encode(), final.model_dump_json(exclude_none=True).encode())
+        )
+        result = Result(
+            query_id=q.id,
+            tenant=q.tenant,
+            instance_id="",
+            model="",
+            error=f"not routed ({status.value}): {reason}",
+            finished_at=now,
+        )
+        outs.append(
+            (topics.RESULTS, q.id.encode(), result.model_dump_json(exclude_none=True).encode())
+        )
+        routed_marks[q.id] = "-"
+        self.metrics.decisions.labels(status.value).inc()
+
+    def _hold_quietly(
+        self,
+        p: Pending,
+        outs: list[tuple[str, bytes, bytes]],
+        now: float,
+        reason: str,
+        d: Decision | None = None,
+        pid: str | None = None,
+    ) -> None:
+        """Publish one DEFERRED decision the first time a query is held; later holds are silent."""
+        if p.announced:
+            return
+        base = d or _deferred(p.query, reason, now)
+        held = base.model_copy(
+            update={
+                "status": DecisionStatus.DEFERRED,
+                "reason": f"held for a later window: {reason}",
+                "instance_id": None,
+                "decided_at": now,
+                "budget_period": pid,
+            }
+        )
+        outs.append(
+            (
+                topics.DECISIONS,
+                p.query.id.encode(),
+                held.model_dump_json(exclude_none=True).encode(),
+            )
+        )
+        p.announced = True
 
     async def _spent(self, period_ids: Mapping[str, str]) -> dict[str, float]:
         out: dict[str, float] = {}

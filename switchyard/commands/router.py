@@ -37,8 +37,11 @@ def register(app: typer.Typer) -> None:
         stale_after_s: float = typer.Option(
             2.0, "--stale-after-s", help="Snapshot age that means stale"
         ),
+        budget_hold_s: float = typer.Option(
+            2.0, "--budget-hold-s", help="Give up on a query deferred for budget after"
+        ),
         max_hold_s: float = typer.Option(
-            30.0, "--max-hold-s", help="Give up on an unplaceable query after"
+            60.0, "--max-hold-s", help="Give up on a query waiting for capacity after"
         ),
         pacing: float = typer.Option(
             0.0,
@@ -91,6 +94,7 @@ def register(app: typer.Typer) -> None:
             max_batch=max_batch,
             stale_after_s=stale_after_s,
             max_hold_s=max_hold_s,
+            budget_hold_s=budget_hold_s,
             pacing_factor=pacing,
         )
         runtime = create_app(
