@@ -1,6 +1,6 @@
 """Robust batch ILP of a routing window (paper B, with paper A's TTFT check as cuts)."""
 
-from routing.ilp.fast import dual_bound, greedy_feasible, solve_fast
+from routing.ilp.fast import WarmStart, dual_bound, greedy_feasible, solve_fast
 from routing.ilp.problem import DEFERRED, BatchProblem, Solution, relative_gap
 from routing.ilp.solve import METHODS, Method, solve
 
@@ -10,6 +10,7 @@ __all__ = [
     "BatchProblem",
     "Method",
     "Solution",
+    "WarmStart",
     "dual_bound",
     "greedy_feasible",
     "relative_gap",

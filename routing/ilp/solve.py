@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from routing.ilp.exact import solve_highs, solve_scip
-from routing.ilp.fast import solve_fast
+from routing.ilp.fast import WarmStart, solve_fast
 from routing.ilp.problem import BatchProblem, Solution
 
 Method = Literal["fast", "scip", "fast+scip", "highs"]
@@ -23,6 +23,7 @@ def solve(
     gap_tol: float = 1e-3,
     deadline: float | None = None,
     with_dual: bool = False,
+    warm: WarmStart | None = None,
 ) -> Solution:
     """Solve one window. ``deadline``: a ``time.perf_counter()`` value, or None.
 
@@ -30,7 +31,7 @@ def solve(
     asked for 1e-9 when ``gap_tol`` is 0).
     """
     if method == "fast":
-        return solve_fast(problem, gap_tol=gap_tol, deadline=deadline)
+        return solve_fast(problem, gap_tol=gap_tol, deadline=deadline, warm=warm)
     if method == "scip":
         return solve_scip(
             problem, gap_tol=max(gap_tol, 1e-9), deadline=deadline, with_dual=with_dual
@@ -40,7 +41,7 @@ def solve(
             problem, gap_tol=max(gap_tol, 1e-9), deadline=deadline, with_dual=with_dual
         )
     if method == "fast+scip":
-        first = solve_fast(problem, gap_tol=gap_tol, deadline=deadline)
+        first = solve_fast(problem, gap_tol=gap_tol, deadline=deadline, warm=warm)
         if first.gap <= gap_tol or first.deadline_hit:
             return Solution(
                 first.assignment,

@@ -1,0 +1,11 @@
+"""Routing policies behind one ``Router`` protocol, picked by name (``make_router``).
+
+round-robin, shortest-queue, latency-agnostic (paper A baselines); latency-aware
+(paper A, SFS + δ penalty); per-query-robust (paper A on paper B's lower bounds);
+batch-ilp (paper B); batch-ilp-sfs (both, the default).
+"""
+
+from routing.policies.context import RouterContext, SfsTtft
+from routing.policies.registry import DEFAULT_POLICY, ROUTERS, make_router
+
+__all__ = ["DEFAULT_POLICY", "ROUTERS", "RouterContext", "SfsTtft", "make_router"]

@@ -1,0 +1,198 @@
+"""Batch ILP routing (paper B): one robust ILP per window under budget and capacity.
+
+    maximise Σ a^LB_ij x_ij (− λ·cost)  s.t.  one instance per query, Σ cost <= window
+    budget and each tenant's remaining budget, Σ_i x_ij <= free slots of instance j
+
+Columns are instances. Solved by ``routing.ilp`` (fast path by default, warm-started
+from the previous window's budget multiplier). Queries that do not fit are deferred,
+or routed ``over_budget`` when the budget allows overspend. No latency constraint:
+that is ``batch-ilp-sfs``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from routing.ilp import BatchProblem, Method, Solution, WarmStart, solve
+from routing.ilp.ttft_cuts import prune_by_standalone, solve_with_ttft_cuts
+from routing.policies.common import (
+    Outcome,
+    Window,
+    budget_groups,
+    decisions,
+    overspend,
+    predict_ttft_in_order,
+    prepare,
+    rejected,
+)
+from routing.policies.context import RouterContext
+from routing.types import Budget, InstanceView, IntArray
+from schemas import Decision, DecisionFlag, DecisionStatus, Query
+
+
+class BatchIlpRouter:
+    name = "batch-ilp"
+    robust = True
+    use_sfs = False
+
+    def __init__(
+        self,
+        ctx: RouterContext,
+        method: Method = "fast",
+        gap_tol: float = 1e-3,
+        deadline_ms: float | None = None,
+        max_ttft_rounds: int = 3,
+        robust: bool | None = None,
+    ) -> None:
+        if not math.isfinite(gap_tol) or gap_tol < 0:
+            raise ValueError(f"gap_tol must be a finite number >= 0, got {gap_tol}")
+        if deadline_ms is not None and (not math.isfinite(deadline_ms) or deadline_ms <= 0):
+            raise ValueError(f"deadline_ms must be a finite number > 0, got {deadline_ms}")
+        if max_ttft_rounds < 0:
+            raise ValueError(f"max_ttft_rounds must be >= 0, got {max_ttft_rounds}")
+        self.ctx = ctx
+        self.method: Method = method
+        self.gap_tol = gap_tol
+        self.deadline_ms = deadline_ms
+        self.max_ttft_rounds = max_ttft_rounds
+        if robust is not None:
+            self.robust = robust
+        self._warm = WarmStart()
+
+    def _solve(self, problem: BatchProblem, deadline: float | None) -> Solution:
+        sol = solve(problem, self.method, gap_tol=self.gap_tol, deadline=deadline, warm=self._warm)
+        if math.isfinite(sol.budget_dual):
+            self._warm = WarmStart(mu=sol.budget_dual)
+        return sol
+
+    def decide(
+        self,
+        queries: Sequence[Query],
+        instances: Sequence[InstanceView],
+        budget: Budget,
+        now: float,
+    ) -> list[Decision]:
+        if not instances:
+            return rejected(self.name, queries, budget, now, "no instance to route to")
+        win = prepare(self.ctx, queries, instances)
+        if win.n == 0:
+            return []
+        deadline = (
+            None if self.deadline_ms is None else time.perf_counter() + self.deadline_ms / 1e3
+        )
+        a = win.utility(self.robust, self.ctx.lam_per_usd)
+        feasible = np.broadcast_to(
+            (win.usable & (win.capacity > 0))[None, :], (win.n, win.k)
+        ).copy()
+        group, limits = budget_groups(win.queries, budget)
+        out = Outcome.empty(win.n, self.method)
+        flagged = np.zeros(win.n, dtype=np.bool_)
+        standalone = np.zeros((win.n, win.k))
+        if self.use_sfs:
+            for k in np.flatnonzero(feasible[0] if win.n else []).tolist():
+                standalone[:, k] = self.ctx.ttft_model.standalone_ms(
+                    win.views[k], win.prompt_tokens, win.output_tokens[:, k]
+                )
+            feasible, flagged = prune_by_standalone(feasible, standalone, win.slo_ms)
+        problem = BatchProblem(
+            utility=a,
+            cost_usd=win.cost_usd,
+            capacity=win.capacity,
+            budget_usd=budget.window_usd,
+            feasible=feasible,
+            group=group if limits.size else None,
+            group_budget_usd=limits if limits.size else None,
+        )
+        rounds = 0
+        still = np.zeros(win.n, dtype=np.bool_)
+        if self.use_sfs:
+
+            def in_order(k: int, rows: IntArray) -> np.ndarray:
+                return self.ctx.ttft_model.in_order_ms(
+                    win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+                )
+
+            res = solve_with_ttft_cuts(
+                problem,
+                lambda p: self._solve(p, deadline),
+                in_order,
+                win.slo_ms,
+                ~win.estimate,
+                flagged,
+                standalone,
+                self.max_ttft_rounds,
+            )
+            sol, problem, flagged, still, ttft, rounds = (
+                res.solution,
+                res.problem,
+                res.slo_infeasible,
+                res.still_violating,
+                res.ttft_ms,
+                res.rounds,
+            )
+        else:
+            sol = self._solve(problem, deadline)
+            ttft = predict_ttft_in_order(self.ctx, win, sol.assignment)
+        self._fill(win, problem, sol, out, flagged, still)
+        out.ttft_ms = ttft
+        out.ttft_rounds = rounds
+        overspend(win, out, budget, "over the budget: allowed by configuration")
+        if budget.allow_overspend and (np.array(out.status) == DecisionStatus.OVER_BUDGET).any():
+            out.ttft_ms = predict_ttft_in_order(self.ctx, win, out.assignment)
+        return decisions(self.name, win, out, budget, now, self.robust)
+
+    def _fill(
+        self,
+        win: Window,
+        problem: BatchProblem,
+        sol: Solution,
+        out: Outcome,
+        flagged: np.ndarray,
+        still: np.ndarray,
+    ) -> None:
+        x = sol.assignment
+        out.assignment = x.copy()
+        out.solver = sol.solver
+        out.objective, out.bound, out.gap, out.budget_dual = (
+            sol.objective,
+            sol.bound,
+            sol.gap,
+            sol.budget_dual,
+        )
+        free = problem.cap - np.bincount(x[x >= 0], minlength=win.k)
+        for i in range(win.n):
+            if sol.deadline_hit:
+                out.flags[i].append(DecisionFlag.DEADLINE)
+            if x[i] >= 0:
+                out.status[i] = DecisionStatus.ROUTED
+                if flagged[i]:
+                    out.flags[i].append(DecisionFlag.SLO_INFEASIBLE)
+                    out.reasons[i] = (
+                        f"TTFT re-check still over the {win.slo_ms[i]:g} ms SLO after "
+                        f"{self.max_ttft_rounds} rounds"
+                        if still[i]
+                        else f"no instance meets the {win.slo_ms[i]:g} ms TTFT SLO: lowest estimated TTFT"
+                    )
+                continue
+            cols = problem.mask[i]
+            if not cols.any():
+                out.reasons[i] = "no instance with a free slot"
+            elif not (free[cols] > 0).any():
+                out.reasons[i] = "no free slot left on its feasible instances in this window"
+            else:
+                out.reasons[i] = "did not fit in the window or tenant budget"
+
+
+class BatchIlpSfsRouter(BatchIlpRouter):
+    """Ours, the default: batch ILP with SFS-checked TTFT constraints (paper B + A)."""
+
+    name = "batch-ilp-sfs"
+    use_sfs = True
+
+
+def make_batch_ilp(ctx: RouterContext, **kwargs: object) -> BatchIlpRouter:
+    return BatchIlpRouter(ctx, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,361 @@
+"""Shared window preparation and decision building for every policy.
+
+A window is n queries × K instance columns: predicted quality (mean and robust lower
+bound) and output length per model expanded to the instances serving it, cost =
+input price · prompt tokens + output price · predicted output tokens (capped by the
+query's ``max_tokens``), free slots per instance, and the budget as rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.policies.context import DEFAULT_OUTPUT_TOKENS, RouterContext
+from routing.types import Budget, FloatArray, InstanceView, IntArray
+from schemas import Decision, DecisionFlag, DecisionStatus, Query, WindowStats
+
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass
+class Window:
+    queries: Sequence[Query]
+    views: Sequence[InstanceView]
+    prompt_tokens: IntArray  # [n]
+    slo_ms: FloatArray  # [n]
+    quality_mean: FloatArray  # [n, K]
+    quality_lower: FloatArray  # [n, K]
+    output_tokens: IntArray  # [n, K]
+    cost_usd: FloatArray  # [n, K]
+    usable: BoolArray  # [K] instance known to the cluster and the predictor
+    capacity: IntArray  # [K] free slots (0 where not usable)
+    estimate: BoolArray  # [K] TTFT from LPS (no live state)
+    stale: BoolArray  # [K]
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def n(self) -> int:
+        return len(self.queries)
+
+    @property
+    def k(self) -> int:
+        return len(self.views)
+
+    def utility(self, robust: bool, lam_per_usd: float) -> FloatArray:
+        a = self.quality_lower if robust else self.quality_mean
+        out: FloatArray = a - lam_per_usd * self.cost_usd if lam_per_usd > 0 else a.copy()
+        return out
+
+    def ttft_flags(self, k: int) -> list[DecisionFlag]:
+        flags: list[DecisionFlag] = []
+        if self.estimate[k]:
+            flags.append(DecisionFlag.LPS_ESTIMATE)
+        if self.stale[k]:
+            flags.append(DecisionFlag.STALE_STATE)
+        return flags
+
+
+def prepare(ctx: RouterContext, queries: Sequence[Query], views: Sequence[InstanceView]) -> Window:
+    """Predict quality, length and cost for every (query, instance)."""
+    started = time.perf_counter()
+    n, K = len(queries), len(views)
+    texts = [q.text() for q in queries]
+    prompt = np.fromiter((q.estimated_prompt_tokens() for q in queries), np.int64, n)
+    slo = np.fromiter((q.ttft_slo_ms for q in queries), np.float64, n)
+    qmodels = list(ctx.quality.models)
+    col_of = {name: j for j, name in enumerate(qmodels)}
+    known_models = {m.name for m in ctx.cluster.models}
+    usable = np.array(
+        [v.model in col_of and v.model in known_models for v in views], dtype=np.bool_
+    )
+    cols = np.array([col_of.get(v.model, 0) for v in views], dtype=np.int64)
+    if n and K:
+        est = ctx.quality.predict(texts)
+        mean_m = np.asarray(est.mean, dtype=np.float64)
+        lower_m = np.asarray(est.lower, dtype=np.float64)
+        if mean_m.shape != (n, len(qmodels)) or lower_m.shape != mean_m.shape:
+            raise ValueError(
+                f"quality predictor returned shapes {mean_m.shape}/{lower_m.shape}, "
+                f"expected {(n, len(qmodels))}"
+            )
+        if not (np.isfinite(mean_m).all() and np.isfinite(lower_m).all()):
+            raise ValueError("quality predictor returned NaN or inf quality")
+        mean = mean_m[:, cols]
+        lower = lower_m[:, cols]
+    else:
+        mean = np.zeros((n, K))
+        lower = np.zeros((n, K))
+    out_tokens = _output_tokens(ctx, texts, prompt, queries, views)
+    in_price = np.zeros(K)
+    out_price = np.zeros(K)
+    for j, v in enumerate(views):
+        if usable[j]:
+            spec = ctx.cluster.model(v.model)
+            in_price[j] = spec.input_usd_per_token
+            out_price[j] = spec.output_usd_per_token
+    cost = prompt[:, None] * in_price[None, :] + out_tokens * out_price[None, :]
+    capacity = np.array([max(0, int(v.free_slots)) for v in views], dtype=np.int64)
+    capacity = np.where(usable, capacity, 0)
+    ttft = ctx.ttft_model
+    estimate = np.array([ttft.is_estimate(v) for v in views], dtype=np.bool_)
+    stale = np.array([bool(v.stale) for v in views], dtype=np.bool_)
+    return Window(
+        queries,
+        views,
+        prompt,
+        slo,
+        mean,
+        lower,
+        out_tokens,
+        cost,
+        usable,
+        capacity,
+        estimate,
+        stale,
+        started,
+    )
+
+
+def _output_tokens(
+    ctx: RouterContext,
+    texts: list[str],
+    prompt: IntArray,
+    queries: Sequence[Query],
+    views: Sequence[InstanceView],
+) -> IntArray:
+    n, K = len(queries), len(views)
+    out = np.full((n, K), DEFAULT_OUTPUT_TOKENS)
+    if n == 0 or K == 0:
+        return out.astype(np.int64)
+    by_model: dict[str, FloatArray] = {}
+    if ctx.length is not None:
+        lm = list(ctx.length.models)
+        pred = np.asarray(ctx.length.predict(texts, prompt), dtype=np.float64)
+        if pred.shape != (n, len(lm)):
+            raise ValueError(
+                f"length predictor returned shape {pred.shape}, expected {(n, len(lm))}"
+            )
+        by_model = {name: pred[:, j] for j, name in enumerate(lm)}
+    for j, v in enumerate(views):
+        if v.model in by_model:
+            out[:, j] = by_model[v.model]
+        else:
+            try:
+                mean = ctx.cluster.model(v.model).mean_output_tokens
+            except KeyError:
+                mean = None
+            out[:, j] = mean if mean is not None else DEFAULT_OUTPUT_TOKENS
+    out = np.where(np.isfinite(out), out, DEFAULT_OUTPUT_TOKENS)
+    cap = np.array([q.output_cap_tokens() or 0 for q in queries], dtype=np.float64)
+    out = np.where(cap[:, None] > 0, np.minimum(out, cap[:, None]), out)
+    result: IntArray = np.maximum(np.rint(out), 1).astype(np.int64)
+    return result
+
+
+def budget_groups(queries: Sequence[Query], budget: Budget) -> tuple[IntArray, FloatArray]:
+    """Per-query tenant row index (-1: tenant without a remaining-budget row)."""
+    tenants = sorted({q.tenant for q in queries if q.tenant in budget.tenant_remaining_usd})
+    idx = {t: g for g, t in enumerate(tenants)}
+    group = np.array([idx.get(q.tenant, -1) for q in queries], dtype=np.int64)
+    limits = np.array([budget.tenant_remaining_usd[t] for t in tenants], dtype=np.float64)
+    return group, limits
+
+
+class Ledger:
+    """Capacity and money left while a per-query policy walks the window in order."""
+
+    def __init__(self, win: Window, budget: Budget) -> None:
+        self.win = win
+        self.free = win.capacity.copy()
+        self.left = float(budget.window_usd)
+        self.group, self.group_left = budget_groups(win.queries, budget)
+        self.group_left = self.group_left.copy()
+
+    def room(self) -> BoolArray:
+        out: BoolArray = self.win.usable & (self.free > 0)
+        return out
+
+    def affordable(self, i: int) -> BoolArray:
+        limit = self.left
+        g = int(self.group[i])
+        if g >= 0:
+            limit = min(limit, float(self.group_left[g]))
+        out: BoolArray = self.win.cost_usd[i] <= limit + 1e-15
+        return out
+
+    def take(self, i: int, k: int) -> None:
+        self.free[k] -= 1
+        c = float(self.win.cost_usd[i, k])
+        self.left -= c
+        g = int(self.group[i])
+        if g >= 0:
+            self.group_left[g] -= c
+
+
+@dataclass
+class Outcome:
+    """A policy's answer before it becomes ``Decision`` objects."""
+
+    assignment: IntArray  # [n] instance column, -1 deferred
+    status: list[DecisionStatus]
+    flags: list[list[DecisionFlag]]
+    reasons: list[str | None]
+    ttft_ms: FloatArray  # [n] predicted TTFT of routed queries (nan otherwise)
+    solver: str
+    objective: float
+    bound: float
+    gap: float = 0.0
+    budget_dual: float = 0.0
+    ttft_rounds: int = 0
+
+    @classmethod
+    def empty(cls, n: int, solver: str) -> Outcome:
+        return cls(
+            np.full(n, -1, dtype=np.int64),
+            [DecisionStatus.DEFERRED] * n,
+            [[] for _ in range(n)],
+            [None] * n,
+            np.full(n, np.nan),
+            solver,
+            0.0,
+            0.0,
+        )
+
+
+def predict_ttft_in_order(ctx: RouterContext, win: Window, assignment: IntArray) -> FloatArray:
+    """SFS TTFT of every routed query with all of its instance's new queries in order."""
+    ttft = np.full(win.n, np.nan)
+    for k in np.unique(assignment[assignment >= 0]).tolist():
+        rows = np.flatnonzero(assignment == k)
+        ttft[rows] = ctx.ttft_model.in_order_ms(
+            win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+        )
+    return ttft
+
+
+def overspend(win: Window, out: Outcome, budget: Budget, reason: str) -> None:
+    """With ``allow_overspend``, route budget-deferred queries to their cheapest instance."""
+    if not budget.allow_overspend:
+        return
+    free = win.capacity - np.bincount(out.assignment[out.assignment >= 0], minlength=win.k)
+    for i in np.flatnonzero(out.assignment < 0).tolist():
+        room = win.usable & (free > 0)
+        if not room.any():
+            break
+        k = int(np.where(room, win.cost_usd[i], np.inf).argmin())
+        out.assignment[i] = k
+        free[k] -= 1
+        out.status[i] = DecisionStatus.OVER_BUDGET
+        out.reasons[i] = reason
+
+
+def decisions(
+    policy: str,
+    win: Window,
+    out: Outcome,
+    budget: Budget,
+    now: float,
+    robust: bool,
+) -> list[Decision]:
+    """Turn an outcome into one ``Decision`` per query, with the window's solver figures."""
+    spend = float(sum(win.cost_usd[i, k] for i, k in enumerate(out.assignment.tolist()) if k >= 0))
+    first = win.queries[0].id if win.n else "empty"
+    stats = WindowStats(
+        window_id=f"{policy}:{now:.6f}:{first}",
+        n_queries=win.n,
+        solver=out.solver,
+        objective=float(out.objective),
+        lp_bound=float(max(out.bound, out.objective)),
+        gap=float(max(out.gap, 0.0)),
+        budget_dual=float(out.budget_dual),
+        budget_usd=float(budget.window_usd),
+        spend_usd=spend,
+        decide_ms=max(0.0, (time.perf_counter() - win.started) * 1e3),
+        ttft_rounds=out.ttft_rounds,
+    )
+    result: list[Decision] = []
+    decided_at = max(0.0, float(now))
+    for i, q in enumerate(win.queries):
+        k = int(out.assignment[i])
+        status = out.status[i]
+        if k < 0:
+            if status == DecisionStatus.ROUTED:
+                status = DecisionStatus.DEFERRED
+            result.append(
+                Decision(
+                    query_id=q.id,
+                    tenant=q.tenant,
+                    status=status,
+                    policy=policy,
+                    flags=out.flags[i],
+                    decided_at=decided_at,
+                    reason=out.reasons[i]
+                    or (
+                        "no instance"
+                        if win.k == 0
+                        else "no free slot or budget left in this window"
+                    ),
+                    window=stats,
+                )
+            )
+            continue
+        view = win.views[k]
+        flags = list(out.flags[i])
+        for f in win.ttft_flags(k):
+            if f not in flags:
+                flags.append(f)
+        t = out.ttft_ms[i]
+        result.append(
+            Decision(
+                query_id=q.id,
+                tenant=q.tenant,
+                status=status,
+                instance_id=view.instance_id,
+                model=view.model,
+                policy=policy,
+                flags=flags,
+                predicted_quality=float(win.quality_mean[i, k]),
+                predicted_quality_lb=float(win.quality_lower[i, k]),
+                predicted_cost_usd=max(0.0, float(win.cost_usd[i, k])),
+                predicted_ttft_ms=float(t) if math.isfinite(t) and t >= 0 else None,
+                predicted_output_tokens=int(win.output_tokens[i, k]),
+                decided_at=decided_at,
+                reason=out.reasons[i],
+                window=stats,
+            )
+        )
+    return result
+
+
+def rejected(
+    policy: str, queries: Sequence[Query], budget: Budget, now: float, reason: str
+) -> list[Decision]:
+    stats = WindowStats(
+        window_id=f"{policy}:{now:.6f}:{queries[0].id if queries else 'empty'}",
+        n_queries=len(queries),
+        solver=policy,
+        objective=0.0,
+        lp_bound=0.0,
+        gap=0.0,
+        budget_usd=float(budget.window_usd),
+        spend_usd=0.0,
+        decide_ms=0.0,
+    )
+    return [
+        Decision(
+            query_id=q.id,
+            tenant=q.tenant,
+            status=DecisionStatus.REJECTED,
+            policy=policy,
+            decided_at=max(0.0, float(now)),
+            reason=reason,
+            window=stats,
+        )
+        for q in queries
+    ]

@@ -1,0 +1,186 @@
+"""What every policy is built from: the cluster, the predictors and a TTFT model.
+
+Routers receive live state and never fetch; the context is built once (the only
+I/O, reading a step-time profile by name, happens in ``RouterContext.build``).
+Predictors are typed as small protocols so that the trained artefacts of
+``routing.quality`` / ``routing.length`` and test fakes both fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from routing.steptime import StepTimeModel
+from routing.types import FloatArray, InstanceView, IntArray
+from schemas import ClusterConfig, ModelSpec
+
+DEFAULT_OUTPUT_TOKENS = 256.0
+
+
+@runtime_checkable
+class QualityEstimateLike(Protocol):
+    mean: FloatArray
+    lower: FloatArray
+
+
+class QualityModel(Protocol):
+    """``routing.quality.QualityPredictor`` or a fake: per-(query, model) quality."""
+
+    @property
+    def models(self) -> Sequence[str]: ...
+
+    def predict(self, texts: Sequence[str]) -> QualityEstimateLike: ...
+
+
+class LengthModel(Protocol):
+    """``routing.length.LengthPredictor`` or a fake: predicted output tokens [n, m]."""
+
+    @property
+    def models(self) -> Sequence[str]: ...
+
+    def predict(self, texts: Sequence[str], prompt_tokens: IntArray) -> FloatArray: ...
+
+
+class TtftModel(Protocol):
+    """TTFT (ms from now) of new queries on one instance.
+
+    ``standalone_ms``: each candidate appended alone (for pruning pairs).
+    ``in_order_ms``: all appended FCFS in the given order (the re-check).
+    ``is_estimate``: True when the answer is the LPS average case (no live state).
+    """
+
+    def standalone_ms(
+        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+    ) -> FloatArray: ...
+
+    def in_order_ms(
+        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+    ) -> FloatArray: ...
+
+    def is_estimate(self, view: InstanceView) -> bool: ...
+
+
+@dataclass
+class SfsTtft:
+    """Paper A's estimators: SFS over live state, LPS when there is none.
+
+    Models without a step-time model (e.g. a cloud endpoint with no profile) get
+    TTFT 0 and count as estimates: their latency is not constrained.
+    """
+
+    cluster: ClusterConfig
+    step_time: Mapping[str, StepTimeModel]
+
+    def _spec(self, view: InstanceView) -> ModelSpec:
+        return self.cluster.model(view.model)
+
+    def is_estimate(self, view: InstanceView) -> bool:
+        return view.state is None or view.stale or view.model not in self.step_time
+
+    def _lps(
+        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+    ) -> FloatArray:
+        from routing.lps import lps_ttft_ms
+
+        model = self.step_time.get(view.model)
+        if model is None or prompt_tokens.size == 0:
+            return np.zeros(prompt_tokens.size)
+        spec = self._spec(view)
+        t = lps_ttft_ms(
+            view.arrival_rate_per_s,
+            float(prompt_tokens.mean()),
+            max(1.0, float(output_tokens.mean())),
+            spec.max_concurrency,
+            model,
+            spec.scheduler,
+        )
+        return np.full(prompt_tokens.size, t if math.isfinite(t) else 3.6e6)
+
+    def standalone_ms(
+        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+    ) -> FloatArray:
+        if view.state is None or view.stale or view.model not in self.step_time:
+            return self._lps(view, prompt_tokens, output_tokens)
+        from routing.sfs import standalone_ttft_ms
+
+        spec = self._spec(view)
+        return standalone_ttft_ms(
+            view.state, prompt_tokens, self.step_time[view.model], spec.scheduler
+        )
+
+    def in_order_ms(
+        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+    ) -> FloatArray:
+        if view.state is None or view.stale or view.model not in self.step_time:
+            return self._lps(view, prompt_tokens, output_tokens)
+        from routing.sfs import estimate_ttft_ms
+
+        spec = self._spec(view)
+        return estimate_ttft_ms(
+            view.state,
+            prompt_tokens,
+            self.step_time[view.model],
+            spec.scheduler,
+            output_tokens=np.maximum(output_tokens, 1),
+        )
+
+
+@dataclass
+class RouterContext:
+    """Cluster configuration, predictors and per-model step-time models.
+
+    ``lam_per_usd``: paper A's λ, utility given up per USD (0: cost only through the
+    budget). ``ttft``: defaults to ``SfsTtft`` over ``step_time``.
+    """
+
+    cluster: ClusterConfig
+    quality: QualityModel
+    length: LengthModel | None = None
+    step_time: Mapping[str, StepTimeModel] = field(default_factory=dict)
+    ttft: TtftModel | None = None
+    lam_per_usd: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.lam_per_usd) or self.lam_per_usd < 0:
+            raise ValueError(f"lam_per_usd must be a finite number >= 0, got {self.lam_per_usd}")
+        known = set(self.quality.models)
+        missing = [m.name for m in self.cluster.models if m.name not in known]
+        if missing:
+            raise ValueError(
+                f"the quality predictor has no column for models {missing}; "
+                f"it knows {sorted(known)}: retrain it or fix the cluster config"
+            )
+        if self.ttft is None:
+            self.ttft = SfsTtft(self.cluster, self.step_time)
+
+    @property
+    def ttft_model(self) -> TtftModel:
+        assert self.ttft is not None
+        return self.ttft
+
+    @classmethod
+    def build(
+        cls,
+        cluster: ClusterConfig,
+        quality: QualityModel,
+        length: LengthModel | None = None,
+        step_time: Mapping[str, StepTimeModel] | None = None,
+        lam_per_usd: float = 0.0,
+    ) -> RouterContext:
+        """Fill missing step-time models from each ModelSpec's coefficients or profile."""
+        models: dict[str, StepTimeModel] = dict(step_time or {})
+        for spec in cluster.models:
+            if spec.name in models:
+                continue
+            if spec.step_time is not None:
+                models[spec.name] = StepTimeModel.from_coefficients(spec.step_time)
+            elif spec.profile is not None:
+                from routing.profiles import load_profile
+
+                models[spec.name] = load_profile(spec.profile)
+        return cls(cluster, quality, length, models, None, lam_per_usd)

@@ -1,0 +1,328 @@
+"""Every policy behind one Router: invariants on random windows, the TTFT loop, flags."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from routing.policies import DEFAULT_POLICY, ROUTERS, RouterContext, make_router
+from routing.types import Budget, InstanceState, InstanceView, Router
+from schemas import ClusterConfig, DecisionFlag, DecisionStatus, Query
+
+MODELS = ["small", "medium", "large"]
+QUALITY = np.array([0.5, 0.7, 0.9])
+SPREAD = np.array([0.05, 0.1, 0.4])  # the large model is the least certain
+PRICE = np.array([1e-7, 1e-6, 1e-5])
+
+
+@dataclass
+class Estimate:
+    mean: np.ndarray
+    lower: np.ndarray
+
+
+class FakeQuality:
+    models = MODELS
+
+    def predict(self, texts: Sequence[str]) -> Estimate:
+        bump = np.array([(len(t) % 7) / 70 for t in texts])[:, None]
+        mean = QUALITY[None, :] + bump
+        return Estimate(mean, mean - SPREAD[None, :])
+
+
+class FakeLength:
+    models = MODELS
+
+    def predict(self, texts: Sequence[str], prompt_tokens: np.ndarray) -> np.ndarray:
+        return np.tile(np.array([100.0, 150.0, 200.0]), (len(texts), 1))
+
+
+class QueueTtft:
+    """A backlog of 40 ms per resident, then prefill at ``ms_per_token`` in FCFS order."""
+
+    ms_per_token = {"small": 0.05, "medium": 0.2, "large": 0.6}
+
+    def _backlog(self, view: InstanceView) -> float:
+        return 40.0 * (view.state.n if view.state is not None else 4)
+
+    def standalone_ms(self, view: InstanceView, prompt: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return self._backlog(view) + self.ms_per_token[view.model] * prompt.astype(float)
+
+    def in_order_ms(self, view: InstanceView, prompt: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return self._backlog(view) + np.cumsum(self.ms_per_token[view.model] * prompt.astype(float))
+
+    def is_estimate(self, view: InstanceView) -> bool:
+        return view.state is None
+
+
+def cluster() -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "models": [
+                {"name": m, "input_usd_per_token": float(p), "output_usd_per_token": float(2 * p)}
+                for m, p in zip(MODELS, PRICE, strict=True)
+            ],
+            "instances": [
+                {"id": "s0", "model": "small"},
+                {"id": "m0", "model": "medium"},
+                {"id": "l0", "model": "large"},
+                {"id": "l1", "model": "large"},
+            ],
+        }
+    )
+
+
+def context() -> RouterContext:
+    return RouterContext(cluster(), FakeQuality(), FakeLength(), ttft=QueueTtft())
+
+
+def state(residents: int) -> InstanceState:
+    z = np.zeros(residents, dtype=np.int64)
+    return InstanceState(z + 100, z + 100, z + 5, z + 50)
+
+
+def views(
+    residents: Sequence[int], slots: Sequence[int], stateless: int = -1
+) -> list[InstanceView]:
+    ids = [("s0", "small"), ("m0", "medium"), ("l0", "large"), ("l1", "large")]
+    return [
+        InstanceView(iid, model, None if j == stateless else state(r), free_slots=s)
+        for j, ((iid, model), r, s) in enumerate(zip(ids, residents, slots, strict=True))
+    ]
+
+
+def queries(
+    prompts: Sequence[int], slo_ms: float | Sequence[float] = 2000.0, tenant: str = "default"
+) -> list[Query]:
+    slos = [slo_ms] * len(prompts) if isinstance(slo_ms, float | int) else list(slo_ms)
+    return [
+        Query(id=f"q{i}", prompt="x" * (i % 11 + 1), prompt_tokens=p, ttft_slo_ms=s, tenant=tenant)
+        for i, (p, s) in enumerate(zip(prompts, slos, strict=True))
+    ]
+
+
+def check_invariants(
+    qs: list[Query], vs: list[InstanceView], budget: Budget, ds: list, name: str
+) -> None:
+    assert [d.query_id for d in ds] == [q.id for q in qs]
+    assert all(d.policy == name for d in ds)
+    routed = [d for d in ds if d.status in (DecisionStatus.ROUTED, DecisionStatus.OVER_BUDGET)]
+    for v in vs:
+        assert sum(d.instance_id == v.instance_id for d in routed) <= v.free_slots
+    spend = sum(d.predicted_cost_usd or 0.0 for d in ds if d.status == DecisionStatus.ROUTED)
+    assert spend <= budget.window_usd * (1 + 1e-9) + 1e-15
+    for d in ds:
+        if d.status == DecisionStatus.ROUTED:
+            assert d.instance_id is not None and d.predicted_quality is not None
+            assert d.window is not None and d.window.n_queries == len(qs)
+        else:
+            assert d.reason
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.integers(1, 4000), min_size=0, max_size=12),
+    residents=st.lists(st.integers(0, 8), min_size=4, max_size=4),
+    slots=st.lists(st.integers(0, 5), min_size=4, max_size=4),
+    budget_frac=st.sampled_from([0.0, 0.3, 1.0, 10.0]),
+)
+def test_every_router_decides_each_query_once_within_budget_and_slots(
+    name: str, prompts: list[int], residents: list[int], slots: list[int], budget_frac: float
+) -> None:
+    router = make_router(name, context())
+    assert isinstance(router, Router)
+    qs = queries(prompts, 1000.0)
+    vs = views(residents, slots)
+    typical = float(sum(prompts)) * 1e-6 + len(prompts) * 1e-4
+    budget = Budget(window_usd=budget_frac * typical)
+    ds = router.decide(qs, vs, budget, now=100.0)
+    check_invariants(qs, vs, budget, ds, name)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.integers(1, 6000), min_size=1, max_size=16),
+    residents=st.lists(st.integers(0, 20), min_size=4, max_size=4),
+    slo=st.sampled_from([300.0, 800.0, 2000.0]),
+    rounds=st.integers(0, 3),
+)
+def test_ttft_loop_ends_with_sfs_satisfied_or_flagged(
+    prompts: list[int], residents: list[int], slo: float, rounds: int
+) -> None:
+    router = make_router("batch-ilp-sfs", context(), max_ttft_rounds=rounds)
+    qs = queries(prompts, slo)
+    vs = views(residents, [8, 8, 8, 8])
+    ds = router.decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+    check_invariants(qs, vs, Budget(window_usd=1.0), ds, "batch-ilp-sfs")
+    ttft = QueueTtft()
+    by_id = {q.id: q for q in qs}
+    for v in vs:
+        mine = [d for d in ds if d.instance_id == v.instance_id]  # arrival order kept
+        if not mine:
+            continue
+        prompt = np.array([by_id[d.query_id].prompt_tokens for d in mine])
+        t = ttft.in_order_ms(v, prompt, prompt)
+        for d, tt in zip(mine, t, strict=True):
+            assert d.predicted_ttft_ms == pytest.approx(tt)
+            assert tt <= by_id[d.query_id].ttft_slo_ms or DecisionFlag.SLO_INFEASIBLE in d.flags
+    # budget is ample: a query is deferred only when the SLO cuts closed its slots
+    assert all("slot" in (d.reason or "") for d in ds if d.status != DecisionStatus.ROUTED)
+
+
+def test_impossible_slo_goes_to_lowest_ttft_instance_flagged() -> None:
+    for name in ("batch-ilp-sfs", "latency-aware", "per-query-robust"):
+        router = make_router(name, context())
+        qs = queries([1000], 1.0)  # 1 ms: nobody can
+        ds = router.decide(qs, views([5, 0, 5, 5], [4, 4, 4, 4]), Budget(window_usd=1.0), now=0.0)
+        assert ds[0].status == DecisionStatus.ROUTED
+        assert ds[0].instance_id == "m0"  # empty medium: 40*0 + 0.2*1000 = 200 ms, the lowest
+        assert DecisionFlag.SLO_INFEASIBLE in ds[0].flags, name
+
+
+def test_sfs_policies_avoid_an_overloaded_instance() -> None:
+    qs = queries([2000] * 3, 900.0)
+    vs = views([0, 0, 30, 0], [4, 4, 4, 1])  # l0 has 30 residents: 1.2 s backlog
+    for name in ("batch-ilp-sfs", "latency-aware", "per-query-robust"):
+        ds = make_router(name, context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+        assert all(d.instance_id != "l0" for d in ds), name
+        assert all(DecisionFlag.SLO_INFEASIBLE not in d.flags for d in ds)
+    blind = make_router("batch-ilp", context(), robust=False).decide(
+        qs, vs, Budget(window_usd=1.0), now=0.0
+    )
+    assert sum(d.instance_id == "l0" for d in blind) >= 2  # latency-blind: best mean quality
+
+
+def test_batch_ilp_robust_prefers_certain_models_and_reports_window_figures() -> None:
+    qs = queries([100] * 6)
+    vs = views([0, 0, 0, 0], [6, 6, 6, 6])
+    ds = make_router("batch-ilp", context()).decide(qs, vs, Budget(window_usd=1.0), now=5.0)
+    # lower bounds: small .45, medium .6, large .5 -> medium
+    assert {d.model for d in ds} == {"medium"}
+    w = ds[0].window
+    assert w is not None and w.gap <= 1e-3 and w.lp_bound >= w.objective - 1e-12
+    assert w.spend_usd == pytest.approx(sum(d.predicted_cost_usd or 0 for d in ds))
+    mean = make_router("latency-agnostic", context()).decide(
+        qs, vs, Budget(window_usd=1.0), now=5.0
+    )
+    assert {d.model for d in mean} == {"large"}
+
+
+def test_binding_budget_reports_its_dual_and_never_overspends() -> None:
+    qs = queries([500] * 20)
+    vs = views([0, 0, 0, 0], [20, 20, 20, 20])
+    router = make_router("batch-ilp", context(), robust=False)
+    cost_large = 500 * 1e-5 + 200 * 2e-5
+    budget = Budget(window_usd=5 * cost_large)
+    ds = router.decide(qs, vs, budget, now=0.0)
+    check_invariants(qs, vs, budget, ds, "batch-ilp")
+    assert all(d.status == DecisionStatus.ROUTED for d in ds)
+    assert ds[0].window is not None and ds[0].window.budget_dual > 0
+    assert 1 <= sum(d.model == "large" for d in ds) <= 5
+
+
+def test_unaffordable_window_defers_or_goes_over_budget_when_allowed() -> None:
+    qs = queries([500] * 4)
+    vs = views([0, 0, 0, 0], [4, 4, 4, 4])
+    for name in sorted(ROUTERS):
+        ds = make_router(name, context()).decide(qs, vs, Budget(window_usd=0.0), now=0.0)
+        assert all(d.status == DecisionStatus.DEFERRED for d in ds), name
+        assert all("budget" in (d.reason or "") for d in ds), name
+        over = make_router(name, context()).decide(
+            qs, vs, Budget(window_usd=0.0, allow_overspend=True), now=0.0
+        )
+        assert all(d.status == DecisionStatus.OVER_BUDGET for d in over), name
+        assert all(d.model == "small" for d in over), name  # the cheapest instance
+
+
+def test_tenant_remaining_budget_binds() -> None:
+    qs = queries([500] * 4, tenant="acme") + [
+        Query(id="b1", prompt="y", prompt_tokens=500, tenant="other")
+    ]
+    vs = views([0, 0, 0, 0], [5, 5, 5, 5])
+    budget = Budget(window_usd=1.0, tenant_remaining_usd={"acme": 0.0})
+    for name in sorted(ROUTERS):
+        ds = make_router(name, context()).decide(qs, vs, budget, now=0.0)
+        assert [d.status for d in ds[:4]] == [DecisionStatus.DEFERRED] * 4, name
+        assert ds[4].status == DecisionStatus.ROUTED, name
+
+
+def test_capacity_is_a_hard_limit() -> None:
+    qs = queries([100] * 5)
+    ds = make_router(DEFAULT_POLICY, context()).decide(
+        qs, views([0] * 4, [1, 1, 0, 1]), Budget(window_usd=1.0), now=0.0
+    )
+    assert sum(d.status == DecisionStatus.ROUTED for d in ds) == 3
+    assert all("slot" in (d.reason or "") for d in ds if d.status == DecisionStatus.DEFERRED)
+
+
+def test_stateless_and_stale_instances_are_flagged() -> None:
+    vs = views([0, 0, 0, 0], [4, 4, 4, 4], stateless=1)
+    vs[3] = InstanceView("l1", "large", None, free_slots=4, stale=True)
+    qs = queries([100] * 8)
+    ds = make_router("round-robin", context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+    flags = {d.instance_id: d.flags for d in ds}
+    assert DecisionFlag.LPS_ESTIMATE in flags["m0"]
+    assert DecisionFlag.STALE_STATE in flags["l1"]
+    assert flags["s0"] == []
+
+
+def test_round_robin_cycles_and_shortest_queue_balances() -> None:
+    qs = queries([100] * 8)
+    vs = views([0, 3, 1, 2], [8, 8, 8, 8])
+    rr = make_router("round-robin", context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+    assert [d.instance_id for d in rr[:4]] == ["s0", "m0", "l0", "l1"]
+    sq = make_router("shortest-queue", context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+    assert sq[0].instance_id == "s0"
+    loads = {"s0": 0, "m0": 3, "l0": 1, "l1": 2}
+    for d in sq:
+        loads[d.instance_id] += 1
+    assert max(loads.values()) - min(loads.values()) <= 1
+
+
+def test_no_instances_rejects_and_unknown_policy_is_named() -> None:
+    ds = make_router(DEFAULT_POLICY, context()).decide(
+        queries([1]), [], Budget(window_usd=1.0), now=0.0
+    )
+    assert ds[0].status == DecisionStatus.REJECTED
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        make_router("fastest", context())
+    with pytest.raises(ValueError, match="bad options"):
+        make_router("round-robin", context(), delta=1.0)
+    with pytest.raises(ValueError, match="delta must be"):
+        make_router("latency-aware", context(), delta=float("nan"))
+
+
+def test_predictor_missing_a_cluster_model_is_a_clear_error() -> None:
+    class Two(FakeQuality):
+        models = ["small", "medium"]
+
+    with pytest.raises(ValueError, match=r"no column for models \['large'\]"):
+        RouterContext(cluster(), Two())
+
+
+def test_default_policy_with_real_sfs_estimator() -> None:
+    pytest.importorskip("routing.sfs")
+    from routing.steptime import StepTimeModel
+
+    step = StepTimeModel(5.0, 0.02, 1e-4, 1e-6)
+    ctx = RouterContext.build(
+        cluster(), FakeQuality(), FakeLength(), step_time={m: step for m in MODELS}
+    )
+    qs = queries([300, 3000, 800, 50], 400.0)
+    vs = views([2, 10, 0, 4], [4, 4, 4, 4], stateless=3)
+    ds = make_router(DEFAULT_POLICY, ctx).decide(qs, vs, Budget(window_usd=1.0), now=1.0)
+    assert len(ds) == 4
+    for d in ds:
+        assert d.status == DecisionStatus.ROUTED
+        assert d.predicted_ttft_ms is not None
+        assert (
+            d.predicted_ttft_ms <= 400.0
+            or DecisionFlag.SLO_INFEASIBLE in d.flags
+            or DecisionFlag.LPS_ESTIMATE in d.flags
+        )
