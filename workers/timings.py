@@ -13,8 +13,8 @@ recalibrator fits ``routing.steptime.fit_nnls`` on them directly.
 ``{"kind": "request", ...}`` — ``RequestTiming``: one finished request as the worker saw it
 (any backend, including a real vLLM server, which does not expose per-step times):
 engine-side TTFT (request sent → first token), end-to-end time, prompt and output tokens,
-and ``residents_ahead`` (requests on the instance when it was sent). With
-``residents_ahead == 0`` the TTFT is one lone prefill, i.e. Eq. 9's
+and ``residents_ahead`` (requests this worker already had running on the engine when it
+was sent). With ``residents_ahead == 0`` the TTFT is one lone prefill, i.e. Eq. 9's
 ``StepTimeModel.prefill_ms(prompt_tokens)``; ``tpot_ms`` is the mean decode step time.
 """
 

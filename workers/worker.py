@@ -144,6 +144,7 @@ class Worker:
         # resident add/done and the periodic resync are serialised, so a resync built from an
         # older view can never re-add a resident that is already done
         self._resident_lock = asyncio.Lock()
+        self._running = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._tasks_bg: set[asyncio.Task[None]] = set()
         self._producer: AIOKafkaProducer | None = None
@@ -311,14 +312,10 @@ class Worker:
             )
             return
         q = rq.query
-        if q.id in self._residents or await self._best_effort(
-            self.state.has_result(q.id), default=False
-        ):
-            # already running here, or its result is out: release the slot in case a router re-reserved it
-            self.metrics.duplicates_skipped.inc()
-            self.counts["duplicates_skipped"] += 1
-            if q.id not in self._residents:
-                await self._best_effort(self.state.resident_done(self.instance_id, q.id))
+        if await self._best_effort(self.state.has_result(q.id), default=False):
+            # its result is out (a re-delivery after a crash): release the slot a router may hold
+            await self._skip_duplicate(q.id)
+            await self._best_effort(self.state.resident_done(self.instance_id, q.id))
             return
         prompt_tokens = q.estimated_prompt_tokens()
         predicted = max(
@@ -338,8 +335,15 @@ class Worker:
         )
         writer = _ProgressWriter(self, q.id)
         async with self._resident_lock:
-            self._residents[q.id] = resident
-            await self._best_effort(self.state.resident_add(self.instance_id, resident))
+            if q.id in self._residents:  # a second copy while the first still runs here
+                duplicate = True
+            else:
+                duplicate = False
+                self._residents[q.id] = resident
+                await self._best_effort(self.state.resident_add(self.instance_id, resident))
+        if duplicate:
+            await self._skip_duplicate(q.id)
+            return
         try:
             self.metrics.queued.inc()
             acquired = False
@@ -348,10 +352,12 @@ class Worker:
                     acquired = True
                     self.metrics.queued.dec()
                     self.metrics.in_flight.inc()
-                    residents_ahead = len(self._residents) - 1
+                    running_before = self._running
+                    self._running += 1
                     try:
                         gen = await self._generate(rq, prompt_tokens, predicted, writer)
                     finally:
+                        self._running -= 1
                         self.metrics.in_flight.dec()
             finally:
                 if not acquired:
@@ -369,11 +375,16 @@ class Worker:
                 self.metrics.duplicate_results.inc()
                 self.counts["duplicate_results"] += 1
             if self.config.report_timings:
-                self._report_request(q.id, gen, residents_ahead)
+                self._report_request(q.id, gen, running_before)
         finally:
             if q.id in self._residents:  # failed before done (cancelled at shutdown, fatal error)
                 async with self._resident_lock:
                     self._residents.pop(q.id, None)
+
+    async def _skip_duplicate(self, qid: str) -> None:
+        self.metrics.duplicates_skipped.inc()
+        self.counts["duplicates_skipped"] += 1
+        log.info("worker %s: query %s skipped: already running or answered", self.instance_id, qid)
 
     async def _resident_done(self, qid: str) -> None:
         async with self._resident_lock:

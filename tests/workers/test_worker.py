@@ -196,6 +196,8 @@ async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
         route,
         [rq.model_dump_json().encode() for rq in queries[:12]] + bad + [wrong],
     )
+    # a second copy of a query while the first is still queued or running: skipped
+    await _produce(env["producer"], route, [queries[3].model_dump_json().encode()])
     await _produce(env["producer"], route, [rq.model_dump_json().encode() for rq in queries[12:]])
 
     backend = VllmBackend(VllmConfig(endpoint=server.url, model="tiny"))
@@ -261,7 +263,7 @@ async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
         # a re-delivered query whose result is out is skipped, not run again
         await _produce(env["producer"], route, [queries[0].model_dump_json().encode()])
         async with asyncio.timeout(10):
-            while worker.counts["duplicates_skipped"] < 1:
+            while worker.counts["duplicates_skipped"] < 2:
                 await asyncio.sleep(0.05)
         assert worker.counts["results"] == n
 
@@ -276,7 +278,7 @@ async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
         )
         assert "switchyard_worker_ttft_seconds_bucket" in text
         assert (
-            f'switchyard_worker_duplicates_skipped_total{{instance="{iid}",model="tiny"}} 1.0'
+            f'switchyard_worker_duplicates_skipped_total{{instance="{iid}",model="tiny"}} 2.0'
             in text
         )
 
@@ -307,7 +309,7 @@ async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
         committed = await probe.committed(TopicPartition(route, 0))
     finally:
         await probe.stop()
-    assert committed == n + 3 + 1
+    assert committed == n + 3 + 2
 
 
 async def test_backend_down_gives_error_results_and_releases_budget(env: dict[str, Any]) -> None:
