@@ -72,7 +72,7 @@ class SequentialRouter:
         overspend(win, out, budget, "over the budget: allowed by configuration")
         out.bound = out.objective
         todo = np.isnan(out.ttft_ms) & (out.assignment >= 0)
-        if todo.any():
+        if todo.any() and self.ctx.report_ttft:
             full = predict_ttft_in_order(self.ctx, win, out.assignment)
             out.ttft_ms = np.where(todo, full, out.ttft_ms)
         return decisions(self.name, win, out, budget, now, self.robust)

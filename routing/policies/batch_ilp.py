@@ -136,12 +136,17 @@ class BatchIlpRouter:
             )
         else:
             sol = self._solve(problem, deadline)
-            ttft = predict_ttft_in_order(self.ctx, win, sol.assignment)
+            ttft = (
+                predict_ttft_in_order(self.ctx, win, sol.assignment)
+                if self.ctx.report_ttft
+                else np.full(win.n, np.nan)
+            )
         self._fill(win, problem, sol, out, flagged, still)
         out.ttft_ms = ttft
         out.ttft_rounds = rounds
         overspend(win, out, budget, "over the budget: allowed by configuration")
-        if budget.allow_overspend and (np.array(out.status) == DecisionStatus.OVER_BUDGET).any():
+        over = np.array([s == DecisionStatus.OVER_BUDGET for s in out.status], dtype=np.bool_)
+        if over.any() and (self.use_sfs or self.ctx.report_ttft):
             out.ttft_ms = predict_ttft_in_order(self.ctx, win, out.assignment)
         return decisions(self.name, win, out, budget, now, self.robust)
 

@@ -135,7 +135,9 @@ class RouterContext:
     """Cluster configuration, predictors and per-model step-time models.
 
     ``lam_per_usd``: paper A's λ, utility given up per USD (0: cost only through the
-    budget). ``ttft``: defaults to ``SfsTtft`` over ``step_time``.
+    budget). ``ttft``: defaults to ``SfsTtft`` over ``step_time``. ``report_ttft``:
+    latency-blind policies still fill ``predicted_ttft_ms`` (one in-order SFS run per
+    used instance) unless this is False, e.g. in a simulator that measures it anyway.
     """
 
     cluster: ClusterConfig
@@ -144,6 +146,7 @@ class RouterContext:
     step_time: Mapping[str, StepTimeModel] = field(default_factory=dict)
     ttft: TtftModel | None = None
     lam_per_usd: float = 0.0
+    report_ttft: bool = True  # False: latency-blind policies skip the SFS TTFT they report
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.lam_per_usd) or self.lam_per_usd < 0:
@@ -171,6 +174,7 @@ class RouterContext:
         length: LengthModel | None = None,
         step_time: Mapping[str, StepTimeModel] | None = None,
         lam_per_usd: float = 0.0,
+        report_ttft: bool = True,
     ) -> RouterContext:
         """Fill missing step-time models from each ModelSpec's coefficients or profile."""
         models: dict[str, StepTimeModel] = dict(step_time or {})
@@ -183,4 +187,4 @@ class RouterContext:
                 from routing.profiles import load_profile
 
                 models[spec.name] = load_profile(spec.profile)
-        return cls(cluster, quality, length, models, None, lam_per_usd)
+        return cls(cluster, quality, length, models, None, lam_per_usd, report_ttft)
