@@ -441,6 +441,33 @@ class StateStore:
         verdict, routed = str(reply[0]), str(reply[1])
         return cast(Verdict, verdict), (routed or None)
 
+    async def dedupe_many(
+        self, items: Sequence[tuple[str, str]], ttl_s: float
+    ) -> list[tuple[Verdict, str | None]]:
+        """``dedupe_ex`` for a whole window in one pipelined round trip: (query id, body sha256) each."""
+        if not items:
+            return []
+        ttl_ms = _seconds_ms(ttl_s, "dedupe ttl_s")
+        script = self._scripts["dedupe"]
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        for qid, sha in items:
+            if not sha or len(sha) > 128:
+                raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
+            await script(keys=[self.keys.dedupe(qid)], args=[sha, ttl_ms], client=pipe)
+        replies = await self._call("dedupe_many", pipe.execute())
+        return [(cast(Verdict, str(r[0])), str(r[1]) or None) for r in replies]
+
+    async def mark_routed_many(self, routed: Mapping[str, str]) -> None:
+        """``mark_routed`` for many queries ({query id: instance id}) in one round trip."""
+        if not routed:
+            return
+        script = self._scripts["mark_routed"]
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        for qid, iid in routed.items():
+            self.keys.heartbeat(iid)  # validates the id
+            await script(keys=[self.keys.dedupe(qid)], args=[iid], client=pipe)
+        await self._call("mark_routed_many", pipe.execute())
+
     async def mark_routed(self, query_id: str, instance_id: str) -> bool:
         """Record where a deduped query went (after its routed message was acknowledged)."""
         self.keys.heartbeat(instance_id)  # validates the id

@@ -293,3 +293,20 @@ async def test_password_never_in_error(redis_url: str) -> None:
             f"redis://:hunter2@127.0.0.1:{free_port()}/0", socket_timeout_s=1.0
         )
     assert "hunter2" not in str(info.value)
+
+
+async def test_dedupe_many_in_one_round_trip(stores: list[StateStore]) -> None:
+    s = stores[0]
+    sha = {i: hashlib.sha256(f"body{i}".encode()).hexdigest() for i in range(300)}
+    first = await s.dedupe_many([(f"m{i}", sha[i]) for i in range(200)], ttl_s=60)
+    assert first == [("new", None)] * 200
+    await s.mark_routed_many({"m0": "gpu-1", "m1": "gpu-2"})
+    items = [(f"m{i}", sha[i]) for i in range(300)]
+    items[5] = ("m5", sha[299])  # same id, another body
+    again = await stores[1].dedupe_many(items, ttl_s=60)
+    assert again[0] == ("duplicate", "gpu-1") and again[1] == ("duplicate", "gpu-2")
+    assert again[5] == ("conflict", None)
+    assert again[2:5] + again[6:200] == [("duplicate", None)] * 197
+    assert again[200:] == [("new", None)] * 100
+    with pytest.raises(ValueError, match="query id 'bad id'"):
+        await s.dedupe_many([("bad id", sha[0])], ttl_s=60)
