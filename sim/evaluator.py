@@ -2,7 +2,11 @@
 
 Batching is the stream processor's ``take(max_batch, within=window_s)``: a window opens at
 the first arrival after the previous flush and closes ``window_s`` later, or as soon as it
-holds ``max_batch`` queries. At the close the cluster is advanced to that instant, the SAME
+holds ``max_batch`` queries. As in ``streams/service.py``, a query that cannot be placed
+(every instance full, or deferred by the router) is *held*: it joins the next window
+(held queries first, a retry window every ``window_s`` while any are held) until
+``max_hold_s`` (``budget_hold_s`` for budget deferrals) has passed, then it is finally
+deferred; with no free slot anywhere the router is not asked at all. At the close the cluster is advanced to that instant, the SAME
 ``Router`` object the service uses decides the whole window on the instances' live views
 and the window's ``Budget``, and routed queries enter their instances right then (plus the
 measured decision time when ``charge_decision_time`` is set: off by default, so results
@@ -66,6 +70,8 @@ class EvalConfig:
     utility_lambda: float = 0.0  # quality per USD in u = score − λ·cost
     charge_decision_time: bool = False
     max_tokens: int | None = None
+    max_hold_s: float = 60.0  # a query waiting for capacity gives up after this (service default)
+    budget_hold_s: float = 2.0  # a query deferred for budget gives up after this
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.window_s) and self.window_s >= 0):
@@ -206,8 +212,11 @@ class EvalResult:
 
 
 def _prices(cluster: SimCluster, models: Sequence[str]) -> tuple[FloatArray, FloatArray]:
-    pin = np.array([cluster.specs[m].input_usd_per_token for m in models])
-    pout = np.array([cluster.specs[m].output_usd_per_token for m in models])
+    """Per-token prices of the workload's models (0 for models the cluster does not serve:
+    nothing can be routed there)."""
+    specs = cluster.specs
+    pin = np.array([specs[m].input_usd_per_token if m in specs else 0.0 for m in models])
+    pout = np.array([specs[m].output_usd_per_token if m in specs else 0.0 for m in models])
     return pin, pout
 
 
@@ -240,6 +249,7 @@ def evaluate(
     ttft = np.full(n, np.nan)
     decided = np.zeros(n, dtype=np.int64)
     completed = np.zeros(n, dtype=np.int64)
+    held_windows = np.zeros(n, dtype=np.int64)
     w_budget: list[float] = []
     w_spend: list[float] = []
     w_size: list[int] = []
@@ -255,30 +265,58 @@ def evaluate(
             completed[i] += 1
             ttft[i] = c.ttft_ms
 
+    def give_up(k: int) -> None:
+        decided[k] += 1
+        status[k] = DEFERRED
+
     arrivals = workload.arrival_s
     allowance = 0.0
     reserved_total = 0.0
     t_free = 0.0  # when the router is free again (only matters with charge_decision_time)
     started = time.perf_counter()
+    held: list[int] = []  # the service's held queries: oldest first
+    last_close = -math.inf
     i = 0
-    while i < n:
-        open_t = float(arrivals[i])
-        close_t = open_t + config.window_s
+    while i < n or held:
+        if held:
+            # the service's retry timer: held queries get a window every window_s
+            close_t = max(last_close + max(config.window_s, 0.05), cluster.now)
+            if i < n and float(arrivals[i]) + config.window_s < close_t:
+                close_t = float(arrivals[i]) + config.window_s
+        else:
+            close_t = float(arrivals[i]) + config.window_s
         end = int(np.searchsorted(arrivals, close_t, side="right"))
         if end - i >= config.max_batch:
             end = i + config.max_batch
-            close_t = float(arrivals[end - 1])
+            close_t = max(float(arrivals[end - 1]), close_t if held else float(arrivals[end - 1]))
         now = max(close_t, t_free, cluster.now)
+        last_close = now
         record(cluster.advance_to(now))
-        idx = range(i, end)
-        queries = [workload.query(k, config.max_tokens) for k in idx]
+        fresh = list(range(i, end))
+        i = end
+        candidates = held + fresh
+        held = candidates[config.max_batch :]
+        candidates = candidates[: config.max_batch]
         views = cluster.views()
+        if sum(v.free_slots for v in views) == 0:
+            # every instance is full: the service does not ask the router (admission)
+            for k in candidates:
+                if now - arrivals[k] < config.max_hold_s:
+                    held.append(k)
+                    held_windows[k] += 1
+                else:
+                    give_up(k)
+            held.sort()
+            if progress is not None:
+                progress(i - len(held), n)
+            continue
+        queries = [workload.query(k, config.max_tokens) for k in candidates]
         if config.budget_usd_per_query is None:
             window_usd = UNLIMITED_USD
         else:
-            allowance = (allowance if config.carry_over else 0.0) + config.budget_usd_per_query * (
-                end - i
-            )
+            allowance = (
+                allowance if config.carry_over else 0.0
+            ) + config.budget_usd_per_query * len(candidates)
             window_usd = allowance
         tenants = {}
         if config.total_budget_usd is not None:
@@ -295,21 +333,35 @@ def evaluate(
             raise EvaluationError(
                 f"router {router.name!r} returned {len(decisions)} decisions for a window of {len(queries)} queries"
             )
+        allowed = set(candidates)
+        seen: set[int] = set()
         spend = 0.0
         pspend = 0.0
         for d in decisions:
-            k = _check_decision(d, row_of, i, end, router.name)
-            decided[k] += 1
+            k = _check_decision(d, row_of, allowed, router.name)
+            if k in seen:
+                raise EvaluationError(
+                    f"router {router.name!r} decided query {d.query_id} twice in one window"
+                )
+            seen.add(k)
             st = _STATUS.get(d.status)
             if st is None:
                 raise EvaluationError(
                     f"router {router.name!r}: query {d.query_id}: unknown status {d.status!r}"
                 )
-            status[k] = st
             for f in d.flags:
                 flags[str(f)] = flags.get(str(f), 0) + 1
             if st not in (ROUTED, OVER_BUDGET):
+                hold_s = config.budget_hold_s if "budget" in (d.reason or "") else config.max_hold_s
+                if st == DEFERRED and now - arrivals[k] < hold_s:
+                    held.append(k)  # the service holds it for the next window
+                    held_windows[k] += 1
+                    continue
+                decided[k] += 1
+                status[k] = st
                 continue
+            decided[k] += 1
+            status[k] = st
             if d.instance_id not in inst_index:
                 raise EvaluationError(
                     f"router {router.name!r}: query {d.query_id} routed to unknown instance {d.instance_id!r}"
@@ -331,6 +383,7 @@ def evaluate(
                 out_tok,
                 pred_out,
             )
+        held.sort()
         reserved_total += spend
         if config.carry_over and config.budget_usd_per_query is not None:
             allowance -= spend
@@ -338,20 +391,21 @@ def evaluate(
             breaches.append(Breach(len(w_budget), now, window_usd, spend, pspend))
         w_budget.append(window_usd)
         w_spend.append(spend)
-        w_size.append(end - i)
+        w_size.append(len(candidates))
         w_ms.append(dt_ms)
-        i = end
         if progress is not None:
-            progress(i, n)
+            progress(i - len(held), n)
     record(cluster.drain())
     wall = time.perf_counter() - started
     if (decided != 1).any():
         bad = int(np.flatnonzero(decided != 1)[0])
         raise EvaluationError(
-            f"query {workload.query_id(bad)} got {decided[bad]} decisions, expected 1"
+            f"query {workload.query_id(bad)} got {decided[bad]} final decisions, expected 1"
         )
     served = (status == ROUTED) | (status == OVER_BUDGET)
     scores = np.where(served, workload.scores[np.arange(n), np.maximum(model, 0)], 0.0)
+    if held_windows.any():
+        flags["held"] = int((held_windows > 0).sum())
     return EvalResult(
         policy=router.name,
         n=n,
@@ -378,9 +432,9 @@ def evaluate(
     )
 
 
-def _check_decision(d: Decision, row_of: dict[str, int], lo: int, hi: int, policy: str) -> int:
+def _check_decision(d: Decision, row_of: dict[str, int], allowed: set[int], policy: str) -> int:
     k = row_of.get(d.query_id)
-    if k is None or not lo <= k < hi:
+    if k is None or k not in allowed:
         raise EvaluationError(
             f"router {policy!r} decided query {d.query_id!r}, which is not in this window"
         )

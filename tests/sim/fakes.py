@@ -166,3 +166,46 @@ class PerQueryOracle:
                 )
             )
         return out
+
+
+class FirstFree:
+    """Routes to the first instance with a free slot, else defers (as the real policies do)."""
+
+    name = "fake-first-free"
+
+    def decide(
+        self,
+        queries: Sequence[Query],
+        instances: Sequence[InstanceView],
+        budget: Budget,
+        now: float,
+    ) -> list[Decision]:
+        free = {v.instance_id: v.free_slots for v in instances}
+        out = []
+        for q in queries:
+            pick = next((v for v in instances if free[v.instance_id] > 0), None)
+            if pick is None:
+                out.append(
+                    Decision(
+                        query_id=q.id,
+                        tenant=q.tenant,
+                        status=DecisionStatus.DEFERRED,
+                        policy=self.name,
+                        decided_at=now,
+                        reason="no free slot on any instance",
+                    )
+                )
+                continue
+            free[pick.instance_id] -= 1
+            out.append(
+                Decision(
+                    query_id=q.id,
+                    tenant=q.tenant,
+                    status=DecisionStatus.ROUTED,
+                    instance_id=pick.instance_id,
+                    model=pick.model,
+                    policy=self.name,
+                    decided_at=now,
+                )
+            )
+        return out

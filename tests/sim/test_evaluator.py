@@ -8,7 +8,7 @@ import pytest
 from sim.cluster import SimCluster
 from sim.evaluator import DEFERRED, EvalConfig, EvaluationError, evaluate
 from sim.traffic import adversarial_order
-from tests.sim.fakes import PerQueryOracle, RoundRobin, small_cluster, toy_workload
+from tests.sim.fakes import FirstFree, PerQueryOracle, RoundRobin, small_cluster, toy_workload
 
 PRICES = {"small": 1.5e-7, "big": 1.5e-6, "api": 1e-5}
 
@@ -114,3 +114,22 @@ def test_contract_breaks_are_reported() -> None:
     w = toy_workload(n=20, rate=10.0)
     with pytest.raises(EvaluationError, match="returned .* decisions for a window of"):
         evaluate(_Broken(), SimCluster(small_cluster()), w, EvalConfig(window_s=1.0, max_batch=4))
+
+
+def test_full_cluster_holds_queries_like_the_service() -> None:
+    w = toy_workload(n=300, rate=3000.0)  # a burst far above the 104 free slots
+    res = evaluate(
+        FirstFree(), SimCluster(small_cluster()), w, EvalConfig(window_s=0.05, max_batch=64)
+    )
+    assert (res.decided == 1).all() and (res.status != DEFERRED).all()
+    assert (res.completed == 1).all()
+    assert res.flags.get("held", 0) > 0
+    # held queries wait: the last served started long after the burst
+    assert np.nanmax(res.ttft_ms) > 1000
+    short = evaluate(
+        FirstFree(),
+        SimCluster(small_cluster()),
+        w,
+        EvalConfig(window_s=0.05, max_batch=64, max_hold_s=0.2),
+    )
+    assert (short.status == DEFERRED).any() and (short.decided == 1).all()
