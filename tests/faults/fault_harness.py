@@ -578,19 +578,23 @@ FAULTS_DIR = Path(__file__).resolve().parent
 ROUTER_READY = "assigned queries partitions"
 
 
-def policy_name(prefer: str | None = None) -> str:
-    """The product's policy when ``routing.policies`` offers it, else the test-only one.
+POLICY_NOTES: dict[str, str] = {}
+
+
+def policy_name(prefer: str | None, cluster: Any = None) -> str:
+    """``prefer`` (a product policy) when it loads for ``cluster``, else the test-only one.
 
     The fault scenarios check the service's guarantees, which no policy may weaken; the
-    figures record which policy ran.
+    figures record which policy ran and, for a fallback, why.
     """
-    if prefer:
+    if prefer and cluster is not None:
         try:
-            import routing.policies  # type: ignore[import-not-found]  # noqa: F401
+            from streams.policy import load_router
 
+            load_router(prefer, cluster)
             return prefer
-        except ImportError:
-            pass
+        except Exception as exc:
+            POLICY_NOTES[prefer] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return "faults_policy:factory"
 
 
