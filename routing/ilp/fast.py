@@ -566,8 +566,11 @@ def solve_fast(
         prev_gap = best_ub - best_obj
         if ub < best_ub:
             best_ub, best_mu = ub, mu
-        x = _cut_spend(p, round_primal(p, mu, v))
-        consider(repair_groups(p, _upgrade(p, x)))
+        # rounding is cheap next to a level: also round at nearby budget multipliers,
+        # which moves the few near-tied queries to the other side of the budget row
+        for scale in (1.0, 0.99, 1.01, 0.97) if mu > 0 else (1.0,):
+            x = _cut_spend(p, round_primal(p, mu * scale, v))
+            consider(repair_groups(p, _upgrade(p, x)))
         if levels >= 2 and best_ub - best_obj > 0.8 * prev_gap:
             # diminishing returns: what is left is the integrality gap of a small
             # window (one query's worth), which no Lagrangian bound can close
