@@ -110,10 +110,14 @@ class Table:
     def from_record(cls, rec: dict[str, Any]) -> Table:
         t = rec["table"]
         return cls(
-            np.asarray(t["dense_tokens"], dtype=np.float64),
-            np.asarray(t["dense_ms"], dtype=np.float64),
-            *(float(t[k]) for k in TABLE_SCALARS),
-            float(t["prefill_half_eff_tokens"]),
+            dense_tokens=np.asarray(t["dense_tokens"], dtype=np.float64),
+            dense_ms=np.asarray(t["dense_ms"], dtype=np.float64),
+            cpu_ms=float(t["cpu_ms"]),
+            cpu_ms_per_seq=float(t["cpu_ms_per_seq"]),
+            decode_ms_per_seq=float(t["decode_ms_per_seq"]),
+            decode_ms_per_ctx_token=float(t["decode_ms_per_ctx_token"]),
+            prefill_ms_per_attn_unit=float(t["prefill_ms_per_attn_unit"]),
+            prefill_half_eff_tokens=float(t["prefill_half_eff_tokens"]),
         )
 
     def dense(self, n_tokens: npt.ArrayLike) -> FloatArray:

@@ -34,7 +34,7 @@ counted per request (conservative).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -57,20 +57,23 @@ class SchedulingError(ValueError):
 class Segment:
     """``steps`` consecutive engine steps with the same batch composition.
 
-    ``tokens[i]`` is what row ``i`` is scheduled in each of those steps (0: not scheduled).
-    Prefill rows (``is_prefill``) attend to ``ctx0[i] + j * tokens[i]`` cached tokens at
-    step ``j`` (0-based); decode rows attend to ``ctx0[i] + j``.
+    Only scheduled rows appear: ``rows[i]`` (an index into the workload) is scheduled
+    ``tokens[i]`` tokens in each of the steps. A prefill row (``is_prefill[i]``) attends to
+    ``ctx0[i] + j * tokens[i]`` cached tokens at step ``j`` (0-based); a decode row to
+    ``ctx0[i] + j``. ``start_prefilled[i]`` is its prompt progress on the first step (prefix
+    hits applied).
     """
 
     steps: int
+    rows: IntArray
     tokens: IntArray
     is_prefill: BoolArray
-    is_decode: BoolArray
     ctx0: IntArray
-    admitted: BoolArray  # waiting rows admitted on the first step
-    start_prefilled: (
-        IntArray  # prefilled tokens of every row on the first step (prefix hits applied)
-    )
+    start_prefilled: IntArray
+    n_admitted: int  # waiting rows admitted on the first step
+    n_running: int  # running rows after the first step's admissions
+    n_waiting: int  # rows still waiting after it
+    kv_blocks_used: int  # KV blocks held after the first step
     n_tokens: int
     n_decode: int
     n_prefill: int
@@ -116,8 +119,8 @@ class Applied:
     finished: IntArray
 
 
-def _ceil_div(a: IntArray, b: int) -> IntArray:
-    return -(-a // b)
+_BIG = np.iinfo(np.int64).max
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class Workload:
@@ -141,12 +144,14 @@ class Workload:
     ) -> None:
         self.prompt = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
         self.prefilled = np.minimum(np.asarray(prefilled, dtype=np.int64), self.prompt)
-        self.output = np.maximum(np.asarray(output, dtype=np.int64), 1)
         dec = np.asarray(decoded, dtype=np.int64)
         # a finished prefill has produced its first token
         self.decoded = np.where((self.prefilled == self.prompt) & (dec < 1), 1, dec)
         # a resident that already produced its predicted length will still emit one more
-        self.output = np.maximum(self.output, self.decoded + (self.prefilled == self.prompt))
+        self.output = np.maximum(
+            np.asarray(output, dtype=np.int64),
+            np.where(self.prefilled == self.prompt, self.decoded + 1, 1),
+        )
         self.sched = sched
         if sched.policy not in POLICIES:
             raise SchedulingError(f"unknown scheduling policy {sched.policy!r}; known: {POLICIES}")
@@ -187,165 +192,198 @@ class Workload:
         self.output = self.output[keep]
 
     def _preempt(self, row: int) -> None:
-        # recompute: drop the KV cache, re-prefill prompt + generated tokens, then go on
+        # recompute: drop the KV cache; re-prefill prompt + generated tokens, then go on
         d = int(self.decoded[row])
         self.prompt[row] += d
         self.output[row] = max(int(self.output[row]) - d, 1)
         self.prefilled[row] = 0
         self.decoded[row] = 0
 
-    def _cache(self) -> IntArray:
-        """Tokens each row holds in the KV cache before the next step."""
-        return np.where(
-            self.prefilled < self.prompt, self.prefilled, self.prompt + self.decoded - 1
-        )
-
     def plan(self) -> Segment | None:
         """The next segment, or None when there is nothing to run. May preempt (mutates)."""
-        n = self.n
-        if n == 0:
+        if self.prompt.size == 0:
             return None
         if self.sched.policy == "vllm-v0":
             return self._plan_v0()
         sched = self.sched
         bs = sched.block_size_tokens
+        budget = self._budget
+        prompt, pre = self.prompt, self.prefilled
         preempted = False
         while True:
-            running = self.prefilled > 0
-            run_idx = np.flatnonzero(running)
-            in_prefill = self.prefilled < self.prompt
-            need = np.where(in_prefill, self.prompt - self.prefilled, 1)
-            if self.sched.policy == "sarathi" and run_idx.size:
-                run_idx = np.concatenate(
-                    [run_idx[~in_prefill[run_idx]], run_idx[in_prefill[run_idx]]]
-                )
-            tokens = np.zeros(n, dtype=np.int64)
-            nr = need[run_idx]
-            cum = np.cumsum(nr)
-            tokens[run_idx] = np.clip(self._budget - (cum - nr), 0, nr)
-            cache = self._cache()
-            cache = np.where(running, cache, 0)
-            blocks_used = int(_ceil_div(cache + tokens, bs).sum())
-            if blocks_used <= sched.kv_blocks or run_idx.size == 0:
+            run = np.flatnonzero(pre > 0)
+            rp = prompt[run]
+            rpre = pre[run]
+            in_pf = rpre < rp
+            if sched.policy == "sarathi" and in_pf.any():
+                order = np.argsort(in_pf, kind="stable")  # decodes first
+                run, rp, rpre, in_pf = run[order], rp[order], rpre[order], in_pf[order]
+            need = np.where(in_pf, rp - rpre, 1)
+            cum = np.cumsum(need)
+            tok = np.minimum(np.maximum(budget - (cum - need), 0), need)
+            cache = np.where(in_pf, rpre, rp + self.decoded[run] - 1)
+            blocks_used = int(((cache + tok + (bs - 1)) // bs).sum())
+            if blocks_used <= sched.kv_blocks or run.size == 0:
                 break
-            victim = int(run_idx.max())
-            if run_idx.size == 1:
+            if run.size == 1:
                 raise SchedulingError(
                     f"request needs {blocks_used} KV blocks of {bs} tokens, "
                     f"more than kv_blocks={sched.kv_blocks}"
                 )
-            self._preempt(victim)
+            self._preempt(int(run.max()))
             preempted = True
 
-        start_prefilled = self.prefilled.copy()
-        admitted = np.zeros(n, dtype=bool)
-        left = self._budget - int(tokens.sum())
-        slots = sched.max_num_seqs - int(run_idx.size)
-        wait_idx = np.flatnonzero(~running)
+        n_run = int(run.size)
+        left = budget - int(tok.sum())
+        slots = sched.max_num_seqs - n_run
+        n_wait = self.prompt.size - n_run
+        adm = _EMPTY
+        adm_tok = _EMPTY
+        adm_start = _EMPTY
         # vLLM V1 admits no waiting request in a step that had to preempt
-        if wait_idx.size and left > 0 and slots > 0 and not preempted:
-            w = wait_idx[:slots]
-            hit = np.minimum(self._prefix, self.prompt[w] - 1) if self._prefix else 0
-            nw = self.prompt[w] - hit
+        if n_wait and left > 0 and slots > 0 and not preempted:
+            w = np.flatnonzero(pre == 0)[:slots]
+            pw = prompt[w]
+            hit = np.minimum(self._prefix, pw - 1) if self._prefix else np.zeros_like(pw)
+            nw = pw - hit
             cw = np.cumsum(nw)
-            qw = np.clip(left - (cw - nw), 0, nw)
-            bw = _ceil_div(hit + qw, bs)
+            qw = np.minimum(np.maximum(left - (cw - nw), 0), nw)
+            bw = (hit + qw + (bs - 1)) // bs
             ok = (qw > 0) & (np.cumsum(bw) <= sched.kv_blocks - blocks_used)
-            first_bad = np.flatnonzero(~ok)
-            m = int(first_bad[0]) if first_bad.size else int(w.size)
-            if m == 0 and run_idx.size == 0:
+            m = int(ok.size) if ok.all() else int(np.argmin(ok))
+            if m == 0 and n_run == 0:
                 raise SchedulingError(
                     f"request needs {int(bw[0])} KV blocks of {bs} tokens, "
                     f"more than kv_blocks={sched.kv_blocks}"
                 )
-            adm = w[:m]
-            tokens[adm] = qw[:m]
-            admitted[adm] = True
-            if self._prefix:
-                start_prefilled[adm] = np.asarray(hit)[:m] if np.ndim(hit) else hit
-        seg = self._segment(tokens, start_prefilled, admitted, blocks_used)
-        if seg is not None and preempted:
-            seg = replace(seg, preempted=True)
-        return seg
+            if m:
+                adm, adm_tok, adm_start = w[:m], qw[:m], hit[:m]
+                blocks_used += int(bw[:m].sum())
+        sel = tok > 0
+        rows = np.concatenate([run[sel], adm])
+        tokens = np.concatenate([tok[sel], adm_tok])
+        start = np.concatenate([rpre[sel], adm_start])
+        is_pf = np.concatenate([in_pf[sel], np.ones(adm.size, dtype=bool)])
+        ctx0 = np.where(is_pf, start, np.concatenate([cache[sel], adm_start]))
+        # blocks of running rows that are not scheduled stay constant over the segment
+        fixed_blocks = int(((cache[~sel] + (bs - 1)) // bs).sum())
+        return self._segment(
+            rows,
+            tokens,
+            start,
+            is_pf,
+            ctx0,
+            n_admitted=int(adm.size),
+            n_running=n_run + int(adm.size),
+            n_waiting=n_wait - int(adm.size),
+            kv_blocks_used=blocks_used,
+            fixed_blocks=fixed_blocks,
+            preempted=preempted,
+        )
 
     def _plan_v0(self) -> Segment | None:
         sched = self.sched
         bs = sched.block_size_tokens
-        n = self.n
-        running = self.prefilled > 0
-        cache = np.where(running, self._cache(), 0)
-        blocks_used = int(_ceil_div(cache, bs).sum())
-        wait_idx = np.flatnonzero(~running)
-        slots = sched.max_num_seqs - int(running.sum())
-        tokens = np.zeros(n, dtype=np.int64)
-        start_prefilled = self.prefilled.copy()
-        admitted = np.zeros(n, dtype=bool)
-        if wait_idx.size and slots > 0:
-            w = wait_idx[:slots]
-            hit = (
-                np.minimum(self._prefix, self.prompt[w] - 1)
-                if self._prefix
-                else np.zeros(w.size, np.int64)
-            )
-            nw = self.prompt[w] - hit
-            bw = _ceil_div(self.prompt[w], bs)
+        prompt, pre = self.prompt, self.prefilled
+        running = pre > 0
+        run = np.flatnonzero(running)
+        cache = prompt[run] + self.decoded[run] - 1  # V0 has no partial prefills
+        blocks_used = int(((cache + (bs - 1)) // bs).sum())
+        n_run = int(run.size)
+        slots = sched.max_num_seqs - n_run
+        n_wait = self.prompt.size - n_run
+        if n_wait and slots > 0:
+            w = np.flatnonzero(~running)[:slots]
+            pw = prompt[w]
+            hit = np.minimum(self._prefix, pw - 1) if self._prefix else np.zeros_like(pw)
+            nw = pw - hit
+            bw = (pw + (bs - 1)) // bs
             fits_kv = np.cumsum(bw) <= sched.kv_blocks - blocks_used
             ok = (np.cumsum(nw) <= self._budget) & fits_kv
             ok[0] = bool(fits_kv[0])  # a prompt longer than the budget runs alone
-            first_bad = np.flatnonzero(~ok)
-            m = int(first_bad[0]) if first_bad.size else int(w.size)
+            m = int(ok.size) if ok.all() else int(np.argmin(ok))
             if m:
-                adm = w[:m]
-                tokens[adm] = nw[:m]
-                admitted[adm] = True
-                start_prefilled[adm] = hit[:m]
-                return self._segment(tokens, start_prefilled, admitted, blocks_used)
-            if not running.any():
+                return self._segment(
+                    w[:m],
+                    nw[:m],
+                    hit[:m],
+                    np.ones(m, dtype=bool),
+                    hit[:m],
+                    n_admitted=m,
+                    n_running=n_run + m,
+                    n_waiting=n_wait - m,
+                    kv_blocks_used=blocks_used + int(bw[:m].sum()),
+                    fixed_blocks=blocks_used,
+                    preempted=False,
+                )
+            if n_run == 0:
                 raise SchedulingError(
                     f"request needs {int(bw[0])} KV blocks of {bs} tokens, "
                     f"more than kv_blocks={sched.kv_blocks}"
                 )
-        if not running.any():
+        if n_run == 0:
             return None
+        preempted = False
         while True:
-            run_idx = np.flatnonzero(self.prefilled > 0)
-            cache = self._cache()[run_idx]
-            if int(_ceil_div(cache + 1, bs).sum()) <= sched.kv_blocks or run_idx.size == 1:
+            run = np.flatnonzero(self.prefilled > 0)
+            cache = self.prompt[run] + self.decoded[run] - 1
+            blocks_used = int(((cache + bs) // bs).sum())
+            if blocks_used <= sched.kv_blocks or run.size == 1:
                 break
-            self._preempt(int(run_idx.max()))
-        tokens[run_idx] = 1
+            self._preempt(int(run.max()))
+            preempted = True
+        n_run = int(run.size)
         return self._segment(
-            tokens, self.prefilled.copy(), admitted, int(_ceil_div(cache, bs).sum())
+            run,
+            np.ones(n_run, dtype=np.int64),
+            self.prefilled[run],
+            np.zeros(n_run, dtype=bool),
+            cache,
+            n_admitted=0,
+            n_running=n_run,
+            n_waiting=self.prompt.size - n_run,
+            kv_blocks_used=blocks_used,
+            fixed_blocks=0,
+            preempted=preempted,
         )
 
     def _segment(
-        self, tokens: IntArray, start_prefilled: IntArray, admitted: BoolArray, blocks_used: int
+        self,
+        rows: IntArray,
+        tokens: IntArray,
+        start: IntArray,
+        is_pf: BoolArray,
+        ctx0: IntArray,
+        *,
+        n_admitted: int,
+        n_running: int,
+        n_waiting: int,
+        kv_blocks_used: int,
+        fixed_blocks: int,
+        preempted: bool,
     ) -> Segment | None:
-        sched = self.sched
-        sched_rows = tokens > 0
-        if not sched_rows.any():
+        if rows.size == 0:
             return None
-        is_prefill = sched_rows & (start_prefilled < self.prompt)
-        is_decode = sched_rows & ~is_prefill
-        rem_prefill = self.prompt - start_prefilled
-        q = tokens
+        sched = self.sched
+        n_pf = int(np.count_nonzero(is_pf))
+        n_dec = int(rows.size) - n_pf
         # composition holds while every prefill still needs >= its chunk and no decode ends
-        k_pref = np.where(is_prefill, rem_prefill // np.maximum(q, 1), np.iinfo(np.int64).max)
-        k_dec = np.where(is_decode, self.output - self.decoded, np.iinfo(np.int64).max)
-        k = int(min(k_pref.min(), k_dec.min()))
+        k = _BIG
+        if n_pf:
+            k = int(((self.prompt[rows[is_pf]] - start[is_pf]) // tokens[is_pf]).min())
+        if n_dec:
+            dr = rows[~is_pf]
+            k = min(k, int((self.output[dr] - self.decoded[dr]).min()))
         k = max(k, 1)
-        if self.sched.policy == "vllm-v0" and is_prefill.any():
+        if sched.policy == "vllm-v0" and n_pf:
             k = 1
-        ctx0 = np.where(is_prefill, start_prefilled, self.prompt + self.decoded - 1)
-        ctx0 = np.where(sched_rows, ctx0, 0)
         # KV growth: stop the segment before the cache overflows (the next plan preempts)
-        bs = sched.block_size_tokens
         if k > 1:
-            cache_now = np.where(self.prefilled > 0, self._cache(), 0)
-            cache_now = np.where(admitted, start_prefilled, cache_now)
+            bs = sched.block_size_tokens
+            cache_now = np.where(is_pf, start, ctx0)
 
             def blocks_after(j: int) -> int:
-                return int(_ceil_div(cache_now + j * tokens, bs).sum())
+                return fixed_blocks + int(((cache_now + j * tokens + (bs - 1)) // bs).sum())
 
             if blocks_after(k) > sched.kv_blocks:
                 lo, hi = 1, k  # blocks_after(lo) fits (checked by plan), blocks_after(hi) not
@@ -356,23 +394,31 @@ class Workload:
                     else:
                         hi = mid
                 k = lo
-        qp = np.where(is_prefill, q, 0).astype(np.float64)
-        cp = ctx0[is_prefill].astype(np.float64)
-        qpp = qp[is_prefill]
+        if n_pf:
+            qp = tokens[is_pf].astype(np.float64)
+            cp = ctx0[is_pf].astype(np.float64)
+            attn0 = float((qp * (qp / 2.0 + cp)).sum())
+            q2 = float((qp * qp).sum())
+        else:
+            attn0 = q2 = 0.0
         return Segment(
             steps=k,
+            rows=rows,
             tokens=tokens,
-            is_prefill=is_prefill,
-            is_decode=is_decode,
+            is_prefill=is_pf,
             ctx0=ctx0,
-            admitted=admitted,
-            start_prefilled=start_prefilled,
+            start_prefilled=start,
+            n_admitted=n_admitted,
+            n_running=n_running,
+            n_waiting=n_waiting,
+            kv_blocks_used=kv_blocks_used,
             n_tokens=int(tokens.sum()),
-            n_decode=int(is_decode.sum()),
-            n_prefill=int(is_prefill.sum()),
-            decode_ctx0=float(ctx0[is_decode].sum()),
-            attn0=float((qpp * (qpp / 2.0 + cp)).sum()),
-            q2=float((qpp * qpp).sum()),
+            n_decode=n_dec,
+            n_prefill=n_pf,
+            decode_ctx0=float(ctx0[~is_pf].sum()) if n_dec else 0.0,
+            attn0=attn0,
+            q2=q2,
+            preempted=preempted,
         )
 
     def apply(self, seg: Segment, steps: int | None = None) -> Applied:
@@ -380,10 +426,23 @@ class Workload:
         m = seg.steps if steps is None else steps
         if not 1 <= m <= seg.steps:
             raise ValueError(f"apply: steps must be in [1, {seg.steps}], got {m}")
-        pre = seg.is_prefill
-        self.prefilled = np.where(pre, seg.start_prefilled + m * seg.tokens, self.prefilled)
-        done_prefill = pre & (self.prefilled >= self.prompt)
-        self.decoded = np.where(seg.is_decode, self.decoded + m, self.decoded)
-        self.decoded = np.where(done_prefill, 1, self.decoded)
-        finished = (seg.is_decode | done_prefill) & (self.decoded >= self.output)
-        return Applied(np.flatnonzero(done_prefill), np.flatnonzero(finished))
+        pf = seg.is_prefill
+        first = _EMPTY
+        finished_parts = []
+        if seg.n_prefill:
+            pr = seg.rows[pf]
+            new = seg.start_prefilled[pf] + m * seg.tokens[pf]
+            self.prefilled[pr] = new
+            first = pr[new >= self.prompt[pr]]
+            if first.size:
+                self.decoded[first] = 1
+                finished_parts.append(first[self.output[first] <= 1])
+        if seg.n_decode:
+            dr = seg.rows[~pf]
+            d = self.decoded[dr] + m
+            self.decoded[dr] = d
+            finished_parts.append(dr[d >= self.output[dr]])
+        if not finished_parts:
+            return Applied(first, _EMPTY)
+        fin = finished_parts[0] if len(finished_parts) == 1 else np.concatenate(finished_parts)
+        return Applied(first, np.sort(fin))

@@ -175,6 +175,16 @@ def standalone_ttft_ms(
     budget = sched.chunk_size_tokens if sched.policy == "sarathi" else sched.max_num_batched_tokens
     bs = sched.block_size_tokens
     first_blocks = -(-(hit + np.minimum(need, budget)) // bs)
+    own_ms = (
+        model.c1_ms_per_token * need
+        + model.c3_ms_per_attn_unit
+        * (P.astype(np.float64) ** 2 - np.asarray(hit, dtype=np.float64) ** 2)
+        / 2.0
+    )
+
+    fast = _all_decoding_fast_path(state, need, first_blocks, model, sched, budget)
+    if fast is not None:
+        return np.asarray(float(start_delay_ms) + fast + own_ms, dtype=np.float64)
 
     w = workload_from_state(state, sched)
     starts: list[float] = []
@@ -193,17 +203,13 @@ def standalone_ttft_ms(
         if seg is None:
             break
         b = budget - seg.n_tokens
-        running_after = (w.prefilled > 0) | seg.admitted
-        n_run = int(running_after.sum())
-        can = b > 0 and n_run < sched.max_num_seqs and n_run == w.n and not seg.preempted
-        if can:
-            cache = np.where(w.prefilled > 0, w.prompt + w.decoded - 1, 0)
-            cache = np.where(w.prefilled < w.prompt, w.prefilled, cache)
-            cache = np.where(seg.admitted, seg.start_prefilled, cache)
-            used = int((-(-(cache + seg.tokens) // bs)).sum())
-            f = float(sched.kv_blocks - used)
-        else:
-            f = -1.0
+        can = (
+            b > 0
+            and seg.n_running < sched.max_num_seqs
+            and seg.n_waiting == 0
+            and not seg.preempted
+        )
+        f = float(sched.kv_blocks - seg.kv_blocks_used) if can else -1.0
         bg = seg.base_growth_ms(model)
         starts.append(t)
         steps.append(float(seg.steps))
@@ -258,3 +264,52 @@ def standalone_ttft_ms(
         / 2.0
     )
     return np.asarray(resident_ms + own_ms, dtype=np.float64)
+
+
+def _all_decoding_fast_path(
+    state: InstanceState,
+    need: IntArray,
+    first_blocks: IntArray,
+    model: StepTimeModel,
+    sched: SchedulerConfig,
+    budget: int,
+) -> FloatArray | None:
+    """Residents' share of each candidate's TTFT when every resident is decoding and the
+    candidates finish their prefill before the first resident finishes: then the batch is
+    the same decodes every step, with ``budget - n`` tokens left for the candidate, and
+    ``sum of m steps = m*base + growth*m*(m-1)/2`` (Eq. 9, contexts growing by one per step).
+    None when the general path is needed.
+    """
+    p = state.prompt_tokens
+    n = p.size
+    if n == 0 or n >= sched.max_num_seqs or budget - n <= 0:
+        return None
+    pre = state.prefilled_tokens
+    if not np.array_equal(pre, p) or (p < 1).any():
+        return None
+    dec = np.maximum(state.decoded_tokens, 1)
+    out = state.predicted_output_tokens
+    if (out < 1).any():
+        return None
+    remaining = np.maximum(out, dec + 1) - dec
+    k1 = int(remaining.min())
+    left = budget - n
+    m = -(-need // left)
+    if int(m.max()) > k1:
+        return None
+    ctx = p + dec - 1
+    used = int((-(-(ctx + 1) // sched.block_size_tokens)).sum())
+    if int(first_blocks.max()) > sched.kv_blocks - used:
+        return None
+    # KV growth over the m steps must not force a preemption
+    mm = int(m.max())
+    if (
+        int((-(-(ctx + mm) // sched.block_size_tokens)).sum())
+        + int(-(-need.max() // sched.block_size_tokens))
+        > sched.kv_blocks
+    ):
+        return None
+    base = model.c0_ms + model.c1_ms_per_token * n + model.c2_ms_per_ctx_token * float(ctx.sum())
+    growth = model.c2_ms_per_ctx_token * n
+    mf = m.astype(np.float64)
+    return np.asarray(mf * base + growth * mf * (mf - 1.0) / 2.0, dtype=np.float64)

@@ -20,6 +20,7 @@ the engine exactly when the engine runs it without noise and with oracle lengths
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,6 +79,9 @@ class TableTiming:
     prefill_half_eff_tokens: float = 128.0
     noise_sigma: float = 0.0
     table: Table = field(init=False, repr=False, compare=False)
+    _xs: list[float] = field(init=False, repr=False, compare=False)
+    _ys: list[float] = field(init=False, repr=False, compare=False)
+    _slope: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         x = np.asarray(self.dense_tokens, dtype=np.float64)
@@ -97,6 +101,20 @@ class TableTiming:
             float(self.prefill_half_eff_tokens),
         )
         object.__setattr__(self, "table", tb)
+        object.__setattr__(self, "_xs", [float(v) for v in x])
+        object.__setattr__(self, "_ys", [float(v) for v in y])
+        object.__setattr__(self, "_slope", float(tb.dense(x[-1] + 1.0) - y[-1]))
+
+    def _dense(self, n: float) -> float:
+        """``Table.dense`` for one token count, without numpy call overhead."""
+        xs, ys = self._xs, self._ys
+        if n >= xs[-1]:
+            return ys[-1] + self._slope * (n - xs[-1])
+        if n <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_right(xs, n)
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
 
     @classmethod
     def from_table(cls, tb: Table, noise_sigma: float = 0.0) -> TableTiming:
@@ -126,7 +144,7 @@ class TableTiming:
         const = (
             tb.cpu_ms
             + tb.cpu_ms_per_seq * seg.n_seqs
-            + float(tb.dense(seg.n_tokens))
+            + self._dense(float(seg.n_tokens))
             + tb.decode_ms_per_seq * seg.n_decode
             + tb.decode_ms_per_ctx_token * seg.decode_ctx0
         )
