@@ -14,7 +14,9 @@ key                                    type    holds
 ``sy:budget:{<tenant>}:<period>``      hash    limit, reserved, spent (integer nano-USD)
 ``sy:budget:{<tenant>}:<period>:res``  hash    query id → reserved nano-USD
 ``sy:budget:{<tenant>}:<period>:set``  hash    query id → settled nano-USD (settle-once)
-``sy:dedupe:{<query>}``                hash    sha (body SHA-256), routed (instance); TTL
+``sy:dedupe:{d<nn>}:<query>``          hash    sha (body SHA-256), routed (instance); TTL.
+                                               ``nn`` = crc32(query id) mod 64: a window's
+                                               dedupe is one script call per bucket
 ``sy:result:{<query>}``                string  "1" once a result was published; TTL
 =====================================  ======  =================================================
 """
@@ -22,6 +24,7 @@ key                                    type    holds
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from schemas.cluster import INSTANCE_ID_PATTERN
@@ -38,6 +41,14 @@ def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
     if not isinstance(value, str) or not pattern.match(value):
         raise ValueError(f"{what} {value!r} must match {pattern.pattern}")
     return value
+
+
+DEDUPE_BUCKETS = 64
+
+
+def dedupe_bucket(query_id: str) -> int:
+    """Which dedupe hash-tag bucket a query id belongs to (validates the id)."""
+    return zlib.crc32(_check(_QUERY, query_id, "query id").encode()) % DEDUPE_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class Keys:
 
     # per query
     def dedupe(self, query_id: str) -> str:
-        return f"{self.namespace}:dedupe:{{{_check(_QUERY, query_id, 'query id')}}}"
+        return f"{self.namespace}:dedupe:{{d{dedupe_bucket(query_id):02d}}}:{query_id}"
 
     def result(self, query_id: str) -> str:
         return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"

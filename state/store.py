@@ -23,11 +23,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import InstanceSnapshot, ResidentRequest
-from state.keys import Keys
+from state.keys import Keys, dedupe_bucket
 
 T = TypeVar("T")
 
@@ -49,6 +49,7 @@ SCRIPTS = (
     "settle",
     "dedupe",
     "mark_routed",
+    "snapshot",
 )
 
 Verdict = Literal["new", "duplicate", "conflict"]
@@ -205,6 +206,7 @@ class StateStore:
         self._r = client
         self.keys = keys
         self.display_url = display_url
+        self._snap_cache: dict[str, dict[str, tuple[str, ResidentRequest]]] = {}
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(
                 resources.files("state").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
@@ -269,6 +271,24 @@ class StateStore:
             raise StateUnavailable(
                 f"Redis at {self.display_url} unavailable during {op}: {exc}"
             ) from exc
+
+    async def _script_many(
+        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """One script over many key sets in one pipelined round trip (EVALSHA; loads it once
+        if the server lost it, e.g. after a restart)."""
+        script = self._scripts[name]
+        for attempt in (0, 1):
+            pipe: Pipeline = self._r.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return cast(list[Any], await self._call(name, pipe.execute()))
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._call(name, self._r.script_load(script.script))
+        raise AssertionError("unreachable")
 
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return await self._call(name, self._scripts[name](keys=list(keys), args=list(args)))
@@ -382,17 +402,14 @@ class StateStore:
         """Every instance's live state in one pipelined round trip."""
         k = self.keys
         ids = list(dict.fromkeys(instance_ids))
-        pipe: Pipeline = self._r.pipeline(transaction=False)
-        for iid in ids:
-            pipe.hgetall(k.heartbeat(iid))
-            pipe.hgetall(k.residents(iid))
-            pipe.zcard(k.slots(iid))
-        replies = await self._call("snapshots", pipe.execute())
+        replies = await self._script_many(
+            "snapshot", [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids]
+        )
         out: dict[str, InstanceLive] = {}
-        for n, iid in enumerate(ids):
-            hb = cast(dict[str, str], replies[3 * n])
-            res = cast(dict[str, str], replies[3 * n + 1])
-            slots_used = int(replies[3 * n + 2])
+        for iid, (hb_blob, res_blob, slots) in zip(ids, replies, strict=True):
+            hb = _pairs(hb_blob)
+            res = _pairs(res_blob)
+            slots_used = int(slots)
             taken_at = _opt_float(hb.get("at")) if hb else None
             if not hb or taken_at is None:
                 out[iid] = InstanceLive(iid, None, slots_used, False, math.inf)
@@ -401,7 +418,7 @@ class StateStore:
                 instance_id=iid,
                 model=hb.get("model", ""),
                 taken_at=taken_at,
-                residents=_residents_of(res),
+                residents=self._residents_cached(iid, res),
                 healthy=True,
                 source="redis",
             )
@@ -417,6 +434,23 @@ class StateStore:
             )
         return out
 
+    def _residents_cached(self, instance_id: str, raw: Mapping[str, str]) -> list[ResidentRequest]:
+        """Parse residents, reusing the (frozen) objects whose record did not change since the
+        last snapshot: between two windows most residents are unchanged, and building a
+        pydantic object costs more than the rest of the read."""
+        prev = self._snap_cache.get(instance_id, {})
+        cur: dict[str, tuple[str, ResidentRequest]] = {}
+        for qid, text in raw.items():
+            hit = prev.get(qid)
+            if hit is not None and hit[0] == text:
+                cur[qid] = hit
+            elif (r := _decode_resident(qid, text)) is not None:
+                cur[qid] = (text, r)
+        self._snap_cache[instance_id] = cur
+        rs = [r for _, r in cur.values()]
+        rs.sort(key=lambda r: (r.arrived_at, r.query_id))
+        return rs
+
     # ------------------------------------------------------------------ dedupe
 
     async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
@@ -431,47 +465,52 @@ class StateStore:
         A ``duplicate`` that was never marked routed is what a router crash between dedupe
         and produce leaves behind: route it again (reservations are idempotent per id).
         """
-        if not body_sha256 or len(body_sha256) > 128:
-            raise ValueError(f"body_sha256 must be a hex digest, got {body_sha256!r}")
-        reply = await self._script(
-            "dedupe",
-            [self.keys.dedupe(query_id)],
-            [body_sha256, _seconds_ms(ttl_s, "dedupe ttl_s")],
-        )
-        verdict, routed = str(reply[0]), str(reply[1])
-        return cast(Verdict, verdict), (routed or None)
+        return (await self.dedupe_many([(query_id, body_sha256)], ttl_s))[0]
 
     async def dedupe_many(
         self, items: Sequence[tuple[str, str]], ttl_s: float
     ) -> list[tuple[Verdict, str | None]]:
-        """``dedupe_ex`` for a whole window in one pipelined round trip: (query id, body sha256) each."""
+        """``dedupe_ex`` for a whole window: (query id, body sha256) each, answers in order.
+
+        One pipelined round trip; one script call per dedupe bucket. An id given twice is
+        ``new`` then ``duplicate`` (or ``conflict``), as if the two arrived one after the other.
+        """
         if not items:
             return []
         ttl_ms = _seconds_ms(ttl_s, "dedupe ttl_s")
-        script = self._scripts["dedupe"]
-        pipe: Pipeline = self._r.pipeline(transaction=False)
-        for qid, sha in items:
-            if not sha or len(sha) > 128:
+        groups: dict[int, list[int]] = {}
+        for n, (qid, sha) in enumerate(items):
+            if not isinstance(sha, str) or not sha or len(sha) > 128:
                 raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
-            await script(keys=[self.keys.dedupe(qid)], args=[sha, ttl_ms], client=pipe)
-        replies = await self._call("dedupe_many", pipe.execute())
-        return [(cast(Verdict, str(r[0])), str(r[1]) or None) for r in replies]
+            groups.setdefault(dedupe_bucket(qid), []).append(n)
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
+            ([self.keys.dedupe(items[n][0]) for n in rows], [ttl_ms, *(items[n][1] for n in rows)])
+            for rows in groups.values()
+        ]
+        replies = await self._script_many("dedupe", calls)
+        out: list[tuple[Verdict, str | None]] = [("new", None)] * len(items)
+        for rows, reply in zip(groups.values(), replies, strict=True):
+            for j, n in enumerate(rows):
+                out[n] = (cast(Verdict, str(reply[2 * j])), str(reply[2 * j + 1]) or None)
+        return out
 
-    async def mark_routed_many(self, routed: Mapping[str, str]) -> None:
-        """``mark_routed`` for many queries ({query id: instance id}) in one round trip."""
+    async def mark_routed_many(self, routed: Mapping[str, str]) -> int:
+        """``mark_routed`` for many queries ({query id: instance id}); returns how many were marked."""
         if not routed:
-            return
-        script = self._scripts["mark_routed"]
-        pipe: Pipeline = self._r.pipeline(transaction=False)
+            return 0
+        groups: dict[int, list[tuple[str, str]]] = {}
         for qid, iid in routed.items():
             self.keys.heartbeat(iid)  # validates the id
-            await script(keys=[self.keys.dedupe(qid)], args=[iid], client=pipe)
-        await self._call("mark_routed_many", pipe.execute())
+            groups.setdefault(dedupe_bucket(qid), []).append((qid, iid))
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
+            ([self.keys.dedupe(q) for q, _ in rows], [i for _, i in rows])
+            for rows in groups.values()
+        ]
+        return sum(int(r) for r in await self._script_many("mark_routed", calls))
 
     async def mark_routed(self, query_id: str, instance_id: str) -> bool:
         """Record where a deduped query went (after its routed message was acknowledged)."""
-        self.keys.heartbeat(instance_id)  # validates the id
-        return bool(await self._script("mark_routed", [self.keys.dedupe(query_id)], [instance_id]))
+        return await self.mark_routed_many({query_id: instance_id}) == 1
 
     async def dedupe_entry(self, query_id: str) -> DedupeEntry | None:
         raw = cast(
@@ -635,6 +674,14 @@ def _opt_float(value: str | None) -> float | None:
     except ValueError:
         return None
     return f if math.isfinite(f) else None
+
+
+def _pairs(blob: str) -> dict[str, str]:
+    """``"k\0v\0k\0v"`` (a flattened HGETALL) → dict."""
+    if not blob:
+        return {}
+    parts = blob.split("\0")
+    return dict(zip(parts[::2], parts[1::2], strict=False))
 
 
 def _residents_of(raw: Mapping[str, str]) -> list[ResidentRequest]:
