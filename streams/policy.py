@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -46,42 +45,21 @@ def load_router(name: str, cluster: ClusterConfig, predictor: str | Path | None 
 
 def _from_registry(name: str, cluster: ClusterConfig, predictor: str | Path | None) -> Router:
     try:
-        policies: Any = importlib.import_module("routing.policies")
+        from routing.policies import RouterContext, make_router
+        from routing.quality import ArtefactError, load_predictor
     except ImportError as exc:
         raise PolicyError(f"policy {name!r}: routing.policies is not available ({exc})") from exc
-    ctx_type = getattr(policies, "RouterContext", None)
-    make = getattr(policies, "make_router", None)
-    if make is None or ctx_type is None:
-        raise PolicyError("routing.policies has no make_router/RouterContext")
-    ctx = _context(policies, ctx_type, cluster, predictor)
+    if predictor is None:
+        raise PolicyError(
+            f"policy {name!r} needs --predictor FILE, a quality predictor artefact "
+            "(train one: switchyard train --data data/routing/llmrouter_dc9/scores_long.csv.gz --out FILE)"
+        )
     try:
-        return make(name, ctx)  # type: ignore[no-any-return]
-    except KeyError as exc:
-        known = getattr(policies, "POLICIES", None) or getattr(policies, "REGISTRY", None)
-        hint = f"; known: {sorted(known)}" if known else ""
-        raise PolicyError(f"unknown policy {name!r}{hint}") from exc
-
-
-def _context(
-    policies: Any, ctx_type: Any, cluster: ClusterConfig, predictor: str | Path | None
-) -> Any:
-    """Build ``RouterContext`` with whatever helper ``routing.policies`` offers."""
-    for helper in ("context_for", "build_context", "default_context"):
-        fn = getattr(policies, helper, None) or getattr(ctx_type, helper, None)
-        if fn is not None:
-            params = inspect.signature(fn).parameters
-            kwargs: dict[str, Any] = {}
-            if "predictor" in params:
-                kwargs["predictor"] = predictor
-            elif "predictor_path" in params:
-                kwargs["predictor_path"] = predictor
-            return fn(cluster, **kwargs)
-    params = inspect.signature(ctx_type).parameters
-    kwargs = {}
-    if "cluster" in params:
-        kwargs["cluster"] = cluster
-    if predictor is not None and "quality" in params:
-        from routing.quality import load_predictor  # type: ignore[attr-defined]
-
-        kwargs["quality"] = load_predictor(predictor)
-    return ctx_type(**kwargs)
+        quality: Any = load_predictor(predictor)
+    except ArtefactError as exc:
+        raise PolicyError(f"policy {name!r}: {exc}") from exc
+    try:
+        ctx = RouterContext.build(cluster, quality, length=getattr(quality, "length", None))
+        return make_router(name, ctx)
+    except (ValueError, KeyError) as exc:
+        raise PolicyError(f"policy {name!r}: {exc}") from exc

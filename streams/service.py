@@ -46,7 +46,6 @@ from schemas import (
     Result,
     parse_query,
 )
-from streams.batching import dedupe_many, mark_routed_many
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
 from switchyard import topics
@@ -289,9 +288,10 @@ class RouterService:
         return kept
 
     async def _dedupe(self, pending: list[Pending]) -> list[tuple[str, str]]:
-        shas = {p.query.id: hashlib.sha256(p.raw).hexdigest() for p in pending}
-        got = await dedupe_many(self.state, shas, self.config.dedupe_ttl_s)
-        return [got[p.query.id] for p in pending]
+        """(verdict, routed-to or '') per query, one pipelined round trip for the window."""
+        items = [(p.query.id, hashlib.sha256(p.raw).hexdigest()) for p in pending]
+        got = await self.state.dedupe_many(items, self.config.dedupe_ttl_s)
+        return [(str(verdict), str(routed or "")) for verdict, routed in got]
 
     async def _route(
         self,
@@ -503,7 +503,7 @@ class RouterService:
         return out
 
     async def _mark_routed(self, marks: Mapping[str, str]) -> None:
-        await mark_routed_many(self.state, marks)
+        await self.state.mark_routed_many(dict(marks))
 
     async def _produce(self, outs: list[tuple[str, bytes, bytes]]) -> None:
         if not outs:

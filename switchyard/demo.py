@@ -109,3 +109,175 @@ class ProcessGroup:
         for child in reversed(self.children):
             self.stop(child)
         self.children.clear()
+
+
+# --------------------------------------------------------------------------- make demo
+
+DEMO_CLUSTER = REPO_ROOT / "configs" / "demo-cluster.yaml"
+DEMO_DATA = REPO_ROOT / "data" / "routing" / "llmrouter_dc9" / "scores_long.csv.gz"
+DEMO_TRACE = "azure_llm_2023_conv.csv.gz"
+
+
+def _http_ready(url: str, timeout_s: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def _wait_alive(instance_ids: list[str], timeout_s: float = 60.0) -> None:
+    import asyncio
+
+    from state import StateStore
+    from switchyard.settings import Settings
+
+    async def check() -> None:
+        store = await StateStore.connect(**Settings.from_env().redis_kwargs())
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                live = await store.snapshots(instance_ids, time.time())
+                if all(v.alive for v in live.values()):
+                    return
+                await asyncio.sleep(0.25)
+            dead = [i for i, v in live.items() if not v.alive]
+            raise TimeoutError(f"workers of {dead} sent no heartbeat within {timeout_s:.0f} s")
+        finally:
+            await store.close()
+
+    asyncio.run(check())
+
+
+def run_demo(
+    duration_s: float = 120.0, rate_scale: float = 1.0, policy: str = "batch-ilp-sfs"
+) -> int:
+    """Start everything, replay, report, stop everything this run started. Returns an exit code."""
+    import asyncio
+    import json
+    import uuid
+
+    from rich.console import Console
+
+    from schemas import ClusterConfig
+    from switchyard import services
+    from switchyard.commands.replay import build_report, print_report, replay
+    from switchyard.paths import shared_data, state_dir
+
+    console = Console()
+    trace = shared_data("traces", DEMO_TRACE)
+    if not trace.exists():
+        console.print(f"[red]error:[/] the trace {trace} is missing (../shared/data/traces)")
+        return 2
+    home = state_dir() / "demo"
+    home.mkdir(parents=True, exist_ok=True)
+    run = uuid.uuid4().hex[:6]
+    started: list[str] = []
+    group = ProcessGroup(home / f"logs-{run}")
+    try:
+        running = {n for n, r in services.load_records().items() if r.alive()}
+        with console.status("starting Redis and Kafka …"):
+            redis = services.redis_up()
+            kafka = services.kafka_up()
+        started = [n for n in ("redis", "kafka") if n not in running]
+        console.print(f"Kafka {kafka.version} at {kafka.address}, Redis at {redis.address}"
+                      + (f" (started: {', '.join(started)})" if started else " (already running)"))  # fmt: skip
+        os.environ.update(
+            SWITCHYARD_KAFKA=kafka.address,
+            SWITCHYARD_REDIS=redis.address,
+            SWITCHYARD_NAMESPACE=f"demo{run}",
+        )
+        group.env = dict(os.environ)
+
+        predictor = home / "predictor-dc9-knn.npz"
+        if not predictor.exists():
+            with console.status(
+                "training the quality predictor on data/routing/llmrouter_dc9 (once) …"
+            ):
+                child = group.switchyard(
+                    "train", "train", "--data", str(DEMO_DATA), "--format", "long", "--estimator", "knn",
+                    "--replicates", "8", "--test-fraction", "0", "--out", str(predictor),
+                )  # fmt: skip
+                if child.proc.wait() != 0:
+                    console.print(f"[red]error:[/] training failed:\n{child.tail()}")
+                    return 1
+
+        spec = ClusterConfig.from_file(DEMO_CLUSTER)
+        ports = {inst.id: services.free_port() for inst in spec.instances}
+        raw = spec.model_dump(mode="json")
+        for inst in raw["instances"]:
+            inst["endpoint"] = f"http://127.0.0.1:{ports[inst['id']]}"
+        cluster_file = home / f"cluster-{run}.json"
+        cluster_file.write_text(json.dumps(raw, indent=2))
+
+        with console.status("starting fake vLLM servers, the router and the workers …"):
+            for inst in spec.instances:
+                group.switchyard(
+                    f"vllm-{inst.id}", "fake-vllm", "--cluster", str(cluster_file), "--instance", inst.id,
+                    "--port", str(ports[inst.id]), "--seed", "1",
+                )  # fmt: skip
+            for inst in spec.instances:
+                _http_ready(f"http://127.0.0.1:{ports[inst.id]}/v1/models")
+            router = group.switchyard(
+                "router", "router", "--cluster", str(cluster_file), "--policy", policy,
+                "--predictor", str(predictor), "--window-ms", "100", "--from", "latest",
+                "--app-id", f"demo-router-{run}", "--metrics-port", str(services.free_port()),
+            )  # fmt: skip
+            group.wait_for_line(router, "assigned queries partitions", 120)
+            for inst in spec.instances:
+                group.switchyard(
+                    f"worker-{inst.id}", "worker", "--instance", inst.id, "--cluster", str(cluster_file),
+                    "--backend", "vllm", "--log-level", "WARNING",
+                )  # fmt: skip
+            _wait_alive([i.id for i in spec.instances])
+        console.print(
+            f"cluster: {', '.join(f'{i.id} ({i.model})' for i in spec.instances)}; policy {policy}; "
+            f"replaying {duration_s:g} s of {DEMO_TRACE} at ×{rate_scale:g} (logs: {group.log_dir})"
+        )
+        records, data, elapsed = asyncio.run(
+            replay(trace, DEMO_DATA, "long", DEMO_DATA.parent / "models.csv", rate_scale, duration_s, 0.0,
+                   2000.0, "default", 120.0, 1024, 0)
+        )  # fmt: skip
+        budget = spec.tenants[0].budget_usd if spec.tenants else None
+        report = build_report(records, data.scores, data.models, 0.0, budget, elapsed)
+        print_report(report, title=f"demo ({policy})")
+        (home / f"report-{run}.json").write_text(json.dumps(report.as_dict(), indent=2))
+        for child in group.children:
+            if child.name != "train" and not child.alive():
+                console.print(f"[red]{child.name} exited early[/]:\n{child.tail()}")
+                return 1
+        return 0 if report.results == report.queries else 1
+    except KeyboardInterrupt:
+        console.print("interrupted; stopping what the demo started")
+        return 130
+    except (services.ServiceError, TimeoutError, RuntimeError, ValueError, OSError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    finally:
+        group.stop_all()
+        if started:
+            services.down(names=started)
+            console.print(f"stopped {', '.join(started)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m switchyard.demo", description="Run the Switchyard demo."
+    )
+    ap.add_argument("--duration-s", type=float, default=120.0, help="trace seconds to replay")
+    ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--policy", default="batch-ilp-sfs")
+    args = ap.parse_args(argv)
+    return run_demo(args.duration_s, args.rate_scale, args.policy)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
