@@ -3,6 +3,8 @@ settings and topic names."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -198,3 +200,37 @@ def test_topic_names() -> None:
     assert topics.worker_group("gpu-1") == "worker.gpu-1"
     with pytest.raises(ValueError, match="instance id 'a b' must match"):
         topics.route("a b")
+
+
+async def test_realtime_engine_streams_every_request_to_completion() -> None:
+    from schemas import SchedulerConfig, StepTimeCoefficients
+    from workers.realtime import RealtimeEngine, make_timing
+
+    coef = StepTimeCoefficients(
+        c0_ms=1.0, c1_ms_per_token=0.001, c2_ms_per_ctx_token=0.0, c3_ms_per_attn_unit=0.0
+    )
+    eng = RealtimeEngine(
+        make_timing(coefficients=coef), SchedulerConfig(max_num_batched_tokens=128), time_scale=20.0
+    )
+    await eng.start()
+    try:
+        specs = [(300, 12), (50, 1), (1000, 30)]
+
+        async def one(prompt: int, out: int) -> list[tuple[str, int, int]]:
+            return [
+                (ev.kind, ev.tokens, ev.prefilled_tokens) async for ev in eng.submit(prompt, out)
+            ]
+
+        runs = await asyncio.gather(*(one(p, o) for p, o in specs))
+    finally:
+        await eng.stop()
+    for (prompt, out), evs in zip(specs, runs, strict=True):
+        assert evs[-1] == ("finished", out, prompt)
+        tokens = [t for k, t, _ in evs if k != "prefill"]
+        assert tokens == sorted(tokens) and tokens[0] == 1
+        prefills = [f for k, _, f in evs if k == "prefill"]
+        assert all(0 < f < prompt for f in prefills) and prefills == sorted(prefills)
+    assert any(
+        k == "prefill" for k, _, _ in runs[2]
+    )  # a 1000-token prompt takes several 128-token chunks
+    assert eng.n_running == 0 and eng.n_waiting == 0
