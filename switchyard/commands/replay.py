@@ -186,14 +186,18 @@ def print_report(report: ReplayReport, title: str = "replay") -> None:
 
 
 class ResultCollector:
-    """Reads ``results`` (every partition, from its end at start) and keeps the first per id.
+    """Reads ``results`` (every partition, from its end at start, or from a time) and keeps
+    the first result per id.
 
     Its own reader rather than ``switchyard.client``: positioned on all partitions before
     the first query is produced, so no result of this run can be missed.
     """
 
-    def __init__(self, settings: Any, client_id: str) -> None:
+    def __init__(
+        self, settings: Any, client_id: str, from_timestamp_s: float | None = None
+    ) -> None:
         self.settings = settings
+        self.from_timestamp_s = from_timestamp_s
         self.client_id = client_id
         self.results: dict[str, Any] = {}
         self.duplicates = 0
@@ -223,6 +227,13 @@ class ResultCollector:
         await consumer.start()
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
+        if self.from_timestamp_s is not None:  # read back results published since then
+            found = await consumer.offsets_for_times(
+                {tp: int(self.from_timestamp_s * 1000) for tp in tps}
+            )
+            for tp in tps:
+                if found.get(tp) is not None:
+                    consumer.seek(tp, found[tp].offset)
         for tp in tps:
             await consumer.position(tp)
         self._consumer = consumer
