@@ -52,9 +52,15 @@ def _rows(p: BatchProblem) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray, np.nd
 
 
 def _assignment(p: BatchProblem, ii: np.ndarray, jj: np.ndarray, vals: np.ndarray) -> IntArray:
+    """Read the 0/1 solution; a budget row broken within the solver's feasibility
+    tolerance (~1e-6) is repaired by the cheapest downgrades: budgets are hard limits."""
+    from routing.ilp.fast import _cut_spend, repair_groups
+
     x = np.full(p.n, DEFERRED, dtype=np.int64)
     on = vals > 0.5
     x[ii[on]] = jj[on]
+    if p.violations(x):
+        x = repair_groups(p, _cut_spend(p, x))
     return x
 
 
