@@ -17,7 +17,9 @@ key                                    type    holds
 ``sy:dedupe:{d<nn>}:<query>``          hash    sha (body SHA-256), routed (instance); TTL.
                                                ``nn`` = crc32(query id) mod 64: a window's
                                                dedupe is one script call per bucket
-``sy:result:{<query>}``                string  "1" once a result was published; TTL
+``sy:result:{<query>}``                string  once a result was published: its cost in nano-USD
+                                               ("-" when unknown); TTL
+``sy:attempt:{<query>}``               string  how many times a worker started the query; TTL
 =====================================  ======  =================================================
 """
 
@@ -87,6 +89,9 @@ class Keys:
 
     def result(self, query_id: str) -> str:
         return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"
+
+    def attempt(self, query_id: str) -> str:
+        return f"{self.namespace}:attempt:{{{_check(_QUERY, query_id, 'query id')}}}"
 
     def check_query_id(self, query_id: str) -> str:
         return _check(_QUERY, query_id, "query id")

@@ -109,6 +109,13 @@ class BudgetStatus:
 
 
 @dataclass(frozen=True)
+class ResultMark:
+    """A result was published; ``cost_usd`` as the worker settled it (None if not recorded)."""
+
+    cost_usd: float | None
+
+
+@dataclass(frozen=True)
 class DedupeEntry:
     body_sha256: str
     routed_to: str | None
@@ -642,15 +649,44 @@ class StateStore:
 
     # ------------------------------------------------------------------ results
 
-    async def mark_result(self, query_id: str, ttl_s: float) -> bool:
-        """True the first time a result for this id is marked published; False for a duplicate."""
+    async def mark_result(
+        self, query_id: str, ttl_s: float, *, cost_usd: float | None = None
+    ) -> bool:
+        """True the first time a result for this id is marked published; False for a duplicate.
+
+        ``cost_usd`` is kept with the mark, so a worker that skips a re-delivered copy can
+        still settle the ledger (idempotently) if a crash cut that short.
+        """
+        value = (
+            "-" if cost_usd is None else str(usd_to_nano(cost_usd, f"query {query_id}: cost_usd"))
+        )
         ok = await self._call(
             "mark_result",
             self._r.set(
-                self.keys.result(query_id), "1", nx=True, px=_seconds_ms(ttl_s, "result ttl_s")
+                self.keys.result(query_id), value, nx=True, px=_seconds_ms(ttl_s, "result ttl_s")
             ),
         )
         return bool(ok)
+
+    async def result_mark(self, query_id: str) -> ResultMark | None:
+        """The published-result mark of a query (None: no result published yet)."""
+        raw = await self._call("result_mark", self._r.get(self.keys.result(query_id)))
+        if raw is None:
+            return None
+        text = str(raw)
+        return ResultMark(cost_usd=int(text) / NANO_PER_USD if text.isdigit() else None)
+
+    async def mark_attempt(self, query_id: str, ttl_s: float) -> int:
+        """Count one more start of this query by a worker; returns the count (1 the first time).
+
+        A count above 1 is repeated inference: a re-delivery after a worker crash.
+        """
+        key = self.keys.attempt(query_id)
+        pipe: Pipeline = self._r.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.pexpire(key, _seconds_ms(ttl_s, "attempt ttl_s"))
+        n, _ = await self._call("mark_attempt", pipe.execute())
+        return int(n)
 
     async def has_result(self, query_id: str) -> bool:
         return bool(await self._call("has_result", self._r.exists(self.keys.result(query_id))))

@@ -48,6 +48,12 @@ class WorkerMetrics:
             names,
             registry=r,
         ).labels(**lab)
+        self.reruns = Counter(
+            "switchyard_worker_reruns",
+            "Queries started again after a re-delivery (repeated inference)",
+            names,
+            registry=r,
+        ).labels(**lab)
         self.cost_usd = Counter(
             "switchyard_worker_cost_usd", "Cost of published results", names, registry=r
         ).labels(**lab)

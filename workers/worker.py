@@ -4,15 +4,16 @@ For every routed message, in arrival order:
 
 1. validate it as a ``RoutedQuery`` — a bad body goes to ``dead-letters`` whole (raw
    bytes, reason, topic, partition, offset) and the stream goes on;
-2. skip it when a result for its id was already published (``StateStore.has_result``):
-   this bounds repeated inference after a crash between publishing and committing;
+2. skip it when a result for its id was already published (``StateStore.result_mark``):
+   this bounds repeated inference after a crash between publishing and committing (the
+   skipped copy still settles and frees its slot, idempotently, in case the crash cut
+   those short);
 3. register it as a resident request (queued), wait for one of ``max_concurrency`` backend
    slots (FIFO), run it, and write its progress to Redis (prefilling → decoding, token
    counts every ``progress_every_tokens``);
 4. publish its ``Result`` (idempotent producer, ``acks=all``) — an engine failure is a
-   Result with ``error`` set, never silence;
-5. settle the tenant's budget at the actual cost, drop the resident and its capacity
-   slot, mark the result published;
+   Result with ``error`` set, never silence — and mark it published (with its cost) at once;
+5. settle the tenant's budget at the actual cost, drop the resident and its capacity slot;
 6. only then may its offset be committed (``OffsetTracker``): at-least-once.
 
 Beside the stream: heartbeats with a TTL (with the engine's own running/waiting counts), a
@@ -156,6 +157,7 @@ class Worker:
             "errors": 0,
             "dead_letters": 0,
             "duplicates_skipped": 0,
+            "reruns": 0,
             "duplicate_results": 0,
         }
 
@@ -312,9 +314,13 @@ class Worker:
             )
             return
         q = rq.query
-        if await self._best_effort(self.state.has_result(q.id), default=False):
-            # its result is out (a re-delivery after a crash): release the slot a router may hold
+        mark = await self._best_effort(self.state.result_mark(q.id), default=None)
+        if mark is not None:
+            # its result is out (a re-delivery after a crash between publishing and committing):
+            # finish what that crash may have cut short — both steps are idempotent
             await self._skip_duplicate(q.id)
+            if mark.cost_usd is not None:
+                await self._settle(rq, mark.cost_usd)
             await self._best_effort(self.state.resident_done(self.instance_id, q.id))
             return
         prompt_tokens = q.estimated_prompt_tokens()
@@ -344,6 +350,7 @@ class Worker:
         if duplicate:
             await self._skip_duplicate(q.id)
             return
+        attempt = 1
         try:
             self.metrics.queued.inc()
             acquired = False
@@ -351,6 +358,13 @@ class Worker:
                 async with self._sem:
                     acquired = True
                     self.metrics.queued.dec()
+                    attempt = await self._best_effort(
+                        self.state.mark_attempt(q.id, self.config.result_ttl_s), default=1
+                    )
+                    if attempt > 1:
+                        # started before, never answered: re-delivered after a crash mid-inference
+                        self.metrics.reruns.inc()
+                        self.counts["reruns"] += 1
                     self.metrics.in_flight.inc()
                     running_before = self._running
                     self._running += 1
@@ -363,17 +377,19 @@ class Worker:
                 if not acquired:
                     self.metrics.queued.dec()
             await writer.wait()
-            result = self._result(rq, gen, received)
+            result = self._result(rq, gen, received, attempt)
             await self._publish(topics.RESULTS, q.id, _result_bytes(result))
-            self._observe(result, gen)
-            await self._settle(rq, result)
-            await self._resident_done(q.id)
+            # mark at once: a crash from here on re-delivers a query that is then skipped
             first = await self._best_effort(
-                self.state.mark_result(q.id, self.config.result_ttl_s), default=True
+                self.state.mark_result(q.id, self.config.result_ttl_s, cost_usd=result.cost_usd),
+                default=True,
             )
             if not first:
                 self.metrics.duplicate_results.inc()
                 self.counts["duplicate_results"] += 1
+            self._observe(result, gen)
+            await self._settle(rq, result.cost_usd)
+            await self._resident_done(q.id)
             if self.config.report_timings:
                 self._report_request(q.id, gen, running_before)
         finally:
@@ -435,7 +451,7 @@ class Worker:
                 error=f"backend {self.backend.name} failed: {exc!r}",
             )
 
-    def _result(self, rq: RoutedQuery, gen: Generation, received: float) -> Result:
+    def _result(self, rq: RoutedQuery, gen: Generation, received: float, attempt: int) -> Result:
         q = rq.query
         origin = received
         if q.created_at is not None and 0 < q.created_at <= gen.finished_at:
@@ -462,7 +478,7 @@ class Worker:
             cost_usd=cost,
             slo_met=slo_met,
             error=gen.error,
-            attempt=max(1, gen.attempts),
+            attempt=max(1, attempt),
             finished_at=gen.finished_at,
         )
 
@@ -483,7 +499,7 @@ class Worker:
             self.metrics.ttft.observe(gen.engine_ttft_ms / 1000.0)
         self.metrics.e2e.observe(max(0.0, gen.finished_at - gen.sent_at))
 
-    async def _settle(self, rq: RoutedQuery, result: Result) -> None:
+    async def _settle(self, rq: RoutedQuery, cost_usd: float) -> None:
         period = rq.decision.budget_period
         if period is None:
             budget = next((t for t in self.cluster.tenants if t.tenant == rq.query.tenant), None)
@@ -492,7 +508,7 @@ class Worker:
             period = period_id(rq.decision.decided_at, budget.period_s)
         for attempt in range(3):
             try:
-                await self.state.settle(rq.query.tenant, period, rq.query.id, result.cost_usd)
+                await self.state.settle(rq.query.tenant, period, rq.query.id, cost_usd)
                 return
             except StateUnavailable as exc:
                 if attempt == 2:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from schemas import ResidentRequest
-from state import NANO_PER_USD, StateStore, StateUnavailable, period_id
+from state import NANO_PER_USD, ResultMark, StateStore, StateUnavailable, period_id
 
 pytestmark = pytest.mark.integration
 
@@ -259,10 +259,19 @@ async def test_dedupe_verdicts(stores: list[StateStore]) -> None:
     assert not await s.mark_routed("never-seen", "gpu-1")
 
 
-async def test_mark_result_first_time_only(stores: list[StateStore]) -> None:
-    firsts = await asyncio.gather(*(x.mark_result("r1", ttl_s=60) for x in stores * 10))
+async def test_mark_result_first_time_only_and_attempts(stores: list[StateStore]) -> None:
+    firsts = await asyncio.gather(
+        *(x.mark_result("r1", ttl_s=60, cost_usd=0.0123) for x in stores * 10)
+    )
     assert firsts.count(True) == 1
     assert await stores[0].has_result("r1") and not await stores[0].has_result("r2")
+    mark = await stores[1].result_mark("r1")
+    assert mark is not None and mark.cost_usd == pytest.approx(0.0123)
+    assert await stores[0].result_mark("r2") is None
+    assert await stores[0].mark_result("r3", ttl_s=60)
+    assert (await stores[0].result_mark("r3")) == ResultMark(cost_usd=None)
+    counts = await asyncio.gather(*(x.mark_attempt("r1", ttl_s=60) for x in stores))
+    assert sorted(counts) == [1, 2, 3, 4]
 
 
 async def test_namespaces_are_isolated(redis_url: str) -> None:

@@ -131,3 +131,87 @@ def test_worker_command_refuses_a_bad_cluster_file(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert f"error: {bad}:" in proc.stderr and "models" in proc.stderr
+
+
+async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """SIGKILL a worker with queries in flight, start another: every query gets a result,
+    and the queries that were running when it died are re-run (``Result.attempt`` 2)."""
+    iid = "kill-" + uuid.uuid4().hex[:8]
+    cluster = _cluster_file(tmp_path, iid)
+    data = json.loads(cluster.read_text())
+    data["models"][0]["max_concurrency"] = 2
+    cluster.write_text(json.dumps(data))
+    env = {
+        **os.environ,
+        "SWITCHYARD_KAFKA": kafka_bootstrap,
+        "SWITCHYARD_REDIS": redis_url,
+        "SWITCHYARD_NAMESPACE": "kill" + uuid.uuid4().hex[:6],
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "switchyard.cli",
+        "worker",
+        "--instance",
+        iid,
+        "--cluster",
+        str(cluster),
+        "--backend",
+        "sim",
+        "--time-scale",
+        "0.5",
+        "--heartbeat-s",
+        "0.2",
+    ]
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / name, "wb") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    ids = [f"{iid}-{i}" for i in range(8)]
+    first = start("first.log")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        async with SwitchyardClient(kafka_bootstrap) as client:
+            producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+            await producer.start()
+            try:
+                for qid in ids:
+                    q = Query(id=qid, prompt="hello there", max_tokens=60)
+                    d = Decision(
+                        query_id=qid,
+                        tenant="default",
+                        status="routed",
+                        instance_id=iid,
+                        policy="test",
+                        decided_at=time.time(),
+                    )
+                    await producer.send_and_wait(
+                        topics.route(iid),
+                        RoutedQuery(query=q, decision=d).model_dump_json().encode(),
+                    )
+            finally:
+                await producer.stop()
+            await client.result(ids[0], timeout_s=45)
+            first.send_signal(signal.SIGKILL)  # the process this test started, by pid
+            first.wait(timeout=10)
+            second = start("second.log")
+            results = {qid: await client.result(qid, timeout_s=45) for qid in ids}
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
+    assert set(results) == set(ids) and all(
+        r.error is None and r.output_tokens == 60 for r in results.values()
+    )
+    log = (tmp_path / "second.log").read_text()
+    assert second is not None and second.returncode == 0, log
+    # the queries running when the worker died (at most its concurrency, 2) ran again
+    counts = json.loads(log.rsplit("stopped: ", 1)[1].strip().replace("'", '"'))
+    assert 1 <= counts["reruns"] <= 2, counts
+    assert [r.attempt for r in results.values()].count(2) <= counts["reruns"]
+    assert counts["results"] + counts["duplicates_skipped"] >= len(ids) - 1
