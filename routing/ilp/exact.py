@@ -35,9 +35,11 @@ def _rows(p: BatchProblem) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray, np.nd
     ub = [np.ones(p.n), p.cap.astype(np.float64)]
     budget_row = -1
     if np.isfinite(p.budget_usd):
+        # scaled to rhs 1 so that the solver's absolute feasibility tolerance is relative
+        scale = 1.0 / p.budget_usd if p.budget_usd > 0 else 1.0
         budget_row = p.n + p.k
-        blocks.append(sp.csr_matrix(p.c[ii, jj][None, :]))
-        ub.append(np.array([p.budget_usd]))
+        blocks.append(sp.csr_matrix(p.c[ii, jj][None, :] * scale))
+        ub.append(np.array([p.budget_usd * scale]))
     if p.has_groups:
         assert p.group is not None and p.group_budget_usd is not None
         g = p.group[ii]
@@ -51,7 +53,9 @@ def _rows(p: BatchProblem) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray, np.nd
     return sp.vstack(blocks, format="csr"), np.concatenate(ub), ii, jj, budget_row
 
 
-def _assignment(p: BatchProblem, ii: np.ndarray, jj: np.ndarray, vals: np.ndarray) -> IntArray:
+def _assignment(
+    p: BatchProblem, ii: np.ndarray, jj: np.ndarray, vals: np.ndarray, repair: bool = True
+) -> IntArray:
     """Read the 0/1 solution; a budget row broken within the solver's feasibility
     tolerance (~1e-6) is repaired by the cheapest downgrades: budgets are hard limits."""
     from routing.ilp.fast import _cut_spend, repair_groups
@@ -59,6 +63,8 @@ def _assignment(p: BatchProblem, ii: np.ndarray, jj: np.ndarray, vals: np.ndarra
     x = np.full(p.n, DEFERRED, dtype=np.int64)
     on = vals > 0.5
     x[ii[on]] = jj[on]
+    if p.violations(x) and not repair:
+        return x
     if p.violations(x):
         x = repair_groups(p, _cut_spend(p, x))
     return x
@@ -74,14 +80,57 @@ def lp_budget_dual(p: BatchProblem) -> tuple[float, float]:
     if res.status != 0:
         raise RuntimeError(f"LP relaxation failed: {res.message}")
     bound = -float(res.fun) - p.n * p.penalty
-    dual = -float(res.ineqlin.marginals[brow]) if brow >= 0 else 0.0
+    scale = 1.0 / p.budget_usd if p.budget_usd > 0 else 1.0
+    dual = -float(res.ineqlin.marginals[brow]) * scale if brow >= 0 else 0.0
     return bound, max(dual, 0.0)
+
+
+def _tightened(p: BatchProblem, x: IntArray) -> BatchProblem | None:
+    """The same problem with the budget lowered by twice what ``x`` overspends, or None."""
+    excess = p.spend(x) - p.budget_usd
+    if not np.isfinite(p.budget_usd) or excess <= 0:
+        return None
+    return BatchProblem(
+        p.a,
+        p.c,
+        p.cap,
+        max(0.0, p.budget_usd - 2 * excess),
+        p.mask,
+        p.group,
+        p.group_budget_usd,
+        p.penalty,
+    )
 
 
 def solve_highs(
     p: BatchProblem, gap_tol: float = 1e-9, deadline: float | None = None, with_dual: bool = False
 ) -> Solution:
     """Reference solver: HiGHS branch-and-bound via ``scipy.optimize.milp``."""
+    sol = _solve_highs(p, gap_tol, deadline, with_dual)
+    tight = _tightened(p, sol.assignment)
+    if tight is None:
+        return sol
+    again = _solve_highs(tight, gap_tol, deadline, with_dual)
+    x = _assignment(p, *np.nonzero(p.mask), _onehot(p, again.assignment))
+    return Solution(
+        x,
+        p.objective(x),
+        max(sol.bound, p.objective(x)),
+        again.budget_dual,
+        p.spend(x),
+        "highs",
+        deadline_hit=again.deadline_hit,
+    )
+
+
+def _onehot(p: BatchProblem, x: IntArray) -> np.ndarray:
+    ii, jj = np.nonzero(p.mask)
+    return (x[ii] == jj).astype(np.float64)
+
+
+def _solve_highs(
+    p: BatchProblem, gap_tol: float, deadline: float | None, with_dual: bool
+) -> Solution:
     if p.n == 0 or not p.mask.any():
         x = np.full(p.n, DEFERRED, dtype=np.int64)
         obj = p.objective(x)
@@ -103,7 +152,7 @@ def solve_highs(
         x = np.full(p.n, DEFERRED, dtype=np.int64)
         deadline_hit = True
     else:
-        x = _assignment(p, ii, jj, res.x)
+        x = _assignment(p, ii, jj, res.x, repair=False)
         deadline_hit = res.status == 1
     objective = p.objective(x)
     dual_bound = getattr(res, "mip_dual_bound", None)
@@ -122,7 +171,37 @@ def solve_scip(
     with_dual: bool = False,
     threads: int = 1,
 ) -> Solution:
-    """Exact solver: SCIP with default settings; ``start`` is handed over as a first solution."""
+    """Exact solver: SCIP with default settings; ``start`` is handed over as a first solution.
+
+    A budget row the solver meets only within its feasibility tolerance is re-solved
+    once with the budget lowered by twice the excess, then repaired if still broken.
+    """
+    sol = _solve_scip(p, gap_tol, deadline, start, with_dual, threads)
+    tight = _tightened(p, sol.assignment)
+    if tight is None:
+        return sol
+    again = _solve_scip(tight, gap_tol, deadline, None, with_dual, threads)
+    x = _assignment(p, *np.nonzero(p.mask), _onehot(p, again.assignment))
+    return Solution(
+        x,
+        p.objective(x),
+        max(sol.bound, p.objective(x)),
+        again.budget_dual,
+        p.spend(x),
+        sol.solver,
+        deadline_hit=again.deadline_hit,
+        status=again.status,
+    )
+
+
+def _solve_scip(
+    p: BatchProblem,
+    gap_tol: float,
+    deadline: float | None,
+    start: IntArray | None,
+    with_dual: bool,
+    threads: int,
+) -> Solution:
     from pyscipopt import Model, quicksum
 
     solver = "scip" if start is None else "fast+scip"
@@ -154,7 +233,10 @@ def solve_scip(
             model.addCons(quicksum(xs[t] for t in ts) <= int(p.cap[j]))
     c = p.c[ii, jj].tolist()
     if np.isfinite(p.budget_usd):
-        model.addCons(quicksum(xs[t] * c[t] for t in range(ii.size)) <= p.budget_usd)
+        scale = 1.0 / p.budget_usd if p.budget_usd > 0 else 1.0
+        model.addCons(
+            quicksum(xs[t] * (c[t] * scale) for t in range(ii.size)) <= p.budget_usd * scale
+        )
     if p.has_groups:
         assert p.group is not None and p.group_budget_usd is not None
         g = p.group[ii]
@@ -177,7 +259,7 @@ def solve_scip(
     else:
         best = model.getBestSol()
         vals = np.array([model.getSolVal(best, v) for v in xs])
-        x = _assignment(p, ii, jj, vals)
+        x = _assignment(p, ii, jj, vals, repair=False)
     objective = p.objective(x)
     bound = float(model.getDualbound()) - p.n * p.penalty
     status = str(model.getStatus())
