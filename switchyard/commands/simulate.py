@@ -59,6 +59,16 @@ def cluster_for_models(models: list[str]) -> Path:
     )
 
 
+def paper_a_cluster(models: list[str]) -> Path | None:
+    """A shipped paper-A-shaped cluster (``paper_a_*.yaml``) serving a subset of the data's models."""
+    from schemas import ClusterConfig
+
+    for p in sorted(CLUSTERS_DIR.glob("paper_a_*.yaml")):
+        if {m.name for m in ClusterConfig.from_file(p).models} <= set(models):
+            return p
+    return None
+
+
 def _arrivals(
     spec: str, duration_s: float | None, start_s: float, rng: np.random.Generator
 ) -> tuple[Any, Any, str]:
@@ -122,7 +132,7 @@ def register(app: typer.Typer) -> None:
         ),
         start_s: float = typer.Option(0.0, help="Start this far into the trace"),
         slo: str = typer.Option(
-            "lognormal:1000,0.5",
+            "lognormal:400,0.5",
             help="TTFT SLO distribution (ms): fixed:X | uniform:A,B | lognormal:MEDIAN,SIGMA | choice:A,B,...",
         ),
         window_s: float = typer.Option(0.05, help="Batching window (s)"),
@@ -131,11 +141,16 @@ def register(app: typer.Typer) -> None:
             None, help="Window budget per query in it (USD); none: unlimited"
         ),
         utility_lambda: float = typer.Option(
-            100.0, help="λ in utility = score − λ·cost (quality per USD)"
+            20.0, help="λ in utility = score − λ·cost (quality per USD)"
         ),
         seed: int = typer.Option(0),
         plots: Path = typer.Option(None, help="Write PNG plots into this folder"),
         report: Path = typer.Option(None, help="Write a markdown report to this file"),
+        feature_cache: bool = typer.Option(
+            True,
+            help="Predict quality and length of the workload's texts once, up front (same "
+            "decisions; decision time then excludes featurisation)",
+        ),
         as_json: bool = typer.Option(
             False, "--json", help="Print one JSON object instead of the table"
         ),
@@ -150,10 +165,10 @@ def register(app: typer.Typer) -> None:
         from sim import report as rep
         from sim.cluster import SimCluster
         from sim.evaluator import EvalConfig, evaluate
-        from sim.experiments import make_policy, workload_for
+        from sim.experiments import CachedLength, CachedQuality, make_policy, workload_for
         from sim.traffic import SloSpec, TrafficError, scale_rate
 
-        console = Console(stderr=as_json)
+        console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 160)
         try:
             cfg = ClusterConfig.from_file(cluster)
             data_path, fmt = _default_data(data, format)
@@ -185,13 +200,18 @@ def register(app: typer.Typer) -> None:
                 lengths_from=lengths,
                 name="sim",
             )
+            quality: Any = pred
+            length: Any = None
+            if feature_cache:
+                quality = CachedQuality(pred, w.texts)
+                length = CachedLength(pred.length, w.texts, w.prompt_tokens)
             ecfg = EvalConfig(
                 window_s=window_s,
                 max_batch=max_batch,
                 budget_usd_per_query=budget_usd_per_query,
                 utility_lambda=utility_lambda,
             )
-            routers = [make_policy(p, cfg, pred, utility_lambda=utility_lambda) for p in policy]
+            routers = [make_policy(p, cfg, quality, utility_lambda, length=length) for p in policy]
         except (OSError, ValueError, KeyError, TrafficError) as exc:
             _fail(str(exc))
             return
@@ -228,6 +248,7 @@ def register(app: typer.Typer) -> None:
             "budget_usd_per_query": budget_usd_per_query,
             "utility_lambda": utility_lambda,
             "seed": seed,
+            "feature_cache": feature_cache,
         }
         if as_json:
             typer.echo(json.dumps({"setup": setup, "results": summaries}, indent=2, default=float))
@@ -288,7 +309,9 @@ def register(app: typer.Typer) -> None:
         data_path, fmt = _default_data(data, format)
         try:
             if cluster is None:
-                cluster = cluster_for_models(load_routing_data(data_path, fmt, models_csv).models)
+                models = load_routing_data(data_path, fmt, models_csv).models
+                cluster = paper_a_cluster(models) if name in ("ontime", "tradeoff") else None
+                cluster = cluster or cluster_for_models(models)
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             return
