@@ -14,7 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import LinearConstraint, linprog, milp
 
-from routing.ilp.problem import DEFERRED, BatchProblem, IntArray, Solution
+from routing.ilp.problem import DEFERRED, BatchProblem, FloatArray, IntArray, Solution
 
 
 def _time_left(deadline: float | None) -> float | None:
@@ -111,7 +111,8 @@ def solve_highs(
     if tight is None:
         return sol
     again = _solve_highs(tight, gap_tol, deadline, with_dual)
-    x = _assignment(p, *np.nonzero(p.mask), _onehot(p, again.assignment))
+    ii, jj = np.nonzero(p.mask)
+    x = _assignment(p, ii, jj, _onehot(p, again.assignment))
     return Solution(
         x,
         p.objective(x),
@@ -123,9 +124,10 @@ def solve_highs(
     )
 
 
-def _onehot(p: BatchProblem, x: IntArray) -> np.ndarray:
+def _onehot(p: BatchProblem, x: IntArray) -> FloatArray:
     ii, jj = np.nonzero(p.mask)
-    return (x[ii] == jj).astype(np.float64)
+    out: FloatArray = (x[ii] == jj).astype(np.float64)
+    return out
 
 
 def _solve_highs(
@@ -181,7 +183,8 @@ def solve_scip(
     if tight is None:
         return sol
     again = _solve_scip(tight, gap_tol, deadline, None, with_dual, threads)
-    x = _assignment(p, *np.nonzero(p.mask), _onehot(p, again.assignment))
+    ii, jj = np.nonzero(p.mask)
+    x = _assignment(p, ii, jj, _onehot(p, again.assignment))
     return Solution(
         x,
         p.objective(x),

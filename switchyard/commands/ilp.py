@@ -151,8 +151,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(out))
             return
-        for m, c in out["instances"].items():  # type: ignore[union-attr]
-            typer.echo(f"{m:32s} {c:4d} instances × {int(g[models.index(m)])} GPUs")
+        for name, count in zip(models, alloc.instances.tolist(), strict=True):
+            typer.echo(f"{name:32s} {count:4d} instances × {int(g[models.index(name)])} GPUs")
         typer.echo(
             f"GPUs {alloc.gpus_used}/{gpus}; expected quality {alloc.expected_quality:.4f} "
             f"(fixed even split {fixed_quality:.4f}; gap {alloc.gap:.2e})"
