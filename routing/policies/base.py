@@ -27,8 +27,10 @@ class SequentialRouter:
     name = "sequential"
     robust = False  # route on the lower bound instead of the mean
 
-    def __init__(self, ctx: RouterContext) -> None:
+    def __init__(self, ctx: RouterContext, robust: bool | None = None) -> None:
         self.ctx = ctx
+        if robust is not None:
+            self.robust = robust
 
     def begin(self, win: Window) -> None:
         """Per-window set-up before the first ``choose``."""

@@ -22,8 +22,8 @@ from schemas import DecisionFlag
 class LatencyAwareRouter(SequentialRouter):
     name = "latency-aware"
 
-    def __init__(self, ctx: RouterContext, delta: float = 0.05) -> None:
-        super().__init__(ctx)
+    def __init__(self, ctx: RouterContext, delta: float = 0.05, robust: bool | None = None) -> None:
+        super().__init__(ctx, robust)
         if not math.isfinite(delta) or delta < 0:
             raise ValueError(f"delta must be a finite number >= 0, got {delta}")
         self.delta = delta
