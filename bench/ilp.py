@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ilp.py --quick        # < 60 s, JSON list on stdout
     .venv/bin/python bench/ilp.py                # the full table of docs/benchmarks/ilp.md
+    .venv/bin/python bench/ilp.py --decide       # decide() cost of every policy
 
 Instances: n queries × m models with model abilities and query difficulties
 (quality in [0, 1]), prices spread over two orders of magnitude and correlated with
@@ -126,6 +127,97 @@ def run(
     return rows
 
 
+def decide_latency(reps: int, seed: int) -> list[dict[str, object]]:
+    """decide() cost of every policy: windows of 1, 10, 50 queries on 10 instances.
+
+    Predictors are stand-ins (fixed per-model quality and lengths) so that the figure
+    is the policy's own cost plus the SFS estimator's, not the quality model's.
+    """
+    from dataclasses import dataclass
+
+    from routing.policies import ROUTERS, RouterContext, make_router
+    from routing.steptime import StepTimeModel
+    from routing.types import Budget, InstanceState, InstanceView
+    from schemas import ClusterConfig, Query
+
+    names = ["small", "medium", "large"]
+
+    @dataclass
+    class Est:
+        mean: np.ndarray
+        lower: np.ndarray
+
+    class Quality:
+        models = names
+
+        def predict(self, texts: list[str]) -> Est:
+            mean = np.tile([0.5, 0.7, 0.9], (len(texts), 1)) + rng.uniform(0, 0.1, (len(texts), 3))
+            return Est(mean, mean - [0.05, 0.1, 0.3])
+
+    class Length:
+        models = names
+
+        def predict(self, texts: list[str], prompt: np.ndarray) -> np.ndarray:
+            return np.tile([120.0, 160.0, 200.0], (len(texts), 1))
+
+    rng = np.random.default_rng(seed)
+    cluster = ClusterConfig.model_validate(
+        {
+            "models": [
+                {"name": m, "input_usd_per_token": p, "output_usd_per_token": 2 * p}
+                for m, p in zip(names, [1e-7, 1e-6, 1e-5], strict=True)
+            ],
+            "instances": [{"id": f"i{j}", "model": names[j % 3]} for j in range(10)],
+        }
+    )
+    step = StepTimeModel(6.0, 0.03, 2e-4, 2e-6)
+    ctx = RouterContext.build(cluster, Quality(), Length(), step_time={m: step for m in names})
+
+    def view(j: int) -> InstanceView:
+        r = int(rng.integers(0, 40))
+        prompt = rng.integers(100, 2000, r)
+        done = rng.random(r) < 0.8
+        pre = np.where(done, prompt, 0)
+        dec = np.where(done, rng.integers(1, 100, r), 0)
+        state = InstanceState(prompt, pre, dec, dec + rng.integers(10, 300, r))
+        return InstanceView(f"i{j}", names[j % 3], state, free_slots=64)
+
+    rows: list[dict[str, object]] = []
+    for name in sorted(ROUTERS):
+        router = make_router(name, ctx)
+        for n in (1, 10, 50):
+            wall: list[float] = []
+            cpu: list[float] = []
+            for r in range(reps + 1):
+                views = [view(j) for j in range(10)]
+                qs = [
+                    Query(
+                        id=f"q{r}-{i}",
+                        prompt="x",
+                        prompt_tokens=int(rng.integers(50, 3000)),
+                        ttft_slo_ms=1500.0,
+                    )
+                    for i in range(n)
+                ]
+                budget = Budget(window_usd=n * 2e-3)
+                t0, c0 = time.perf_counter(), time.process_time()
+                router.decide(qs, views, budget, now=float(r))
+                if r:  # the first call warms caches and imports
+                    wall.append((time.perf_counter() - t0) * 1e3)
+                    cpu.append((time.process_time() - c0) * 1e3)
+            rows.append(
+                {
+                    "policy": name,
+                    "n": n,
+                    "instances": 10,
+                    "ms_p50": round(float(np.percentile(wall, 50)), 3),
+                    "ms_p99": round(float(np.percentile(wall, 99)), 3),
+                    "cpu_ms_p50": round(float(np.percentile(cpu, 50)), 3),
+                }
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,9 +229,15 @@ def main() -> None:
     ap.add_argument(
         "--exact-max-n", type=int, default=4096, help="largest n for scip/highs/fast+scip"
     )
+    ap.add_argument(
+        "--decide", action="store_true", help="instead: decide() cost of every policy (10 instances)"
+    )
     args = ap.parse_args()
     ns = [64, 256, 1024, 4096]
     ms = [11, 20]
+    if args.decide:
+        print(json.dumps(decide_latency(args.reps or 30, args.seed), indent=1))
+        return
     reps = args.reps or (3 if args.quick else 20)
     exact_reps = 1 if args.quick else min(reps, 5)
     methods = [m for m in args.methods.split(",") if m]
