@@ -177,17 +177,26 @@ class Design:
     attn_eff: FloatArray  # the same divided by kernel efficiency
 
 
-def fit_design(budget_tokens: int, max_seqs: int, half_eff_tokens: float, seed: int = 0) -> Design:
+def fit_design(
+    budget_tokens: int,
+    max_seqs: int,
+    half_eff_tokens: float,
+    seed: int = 0,
+    kv_tokens: int | None = None,
+) -> Design:
     """Steps a vLLM instance actually runs: decode-only, prefill-only and mixed batches.
 
     Decode batches of 1..max_seqs sequences with mean context 64..8192; prefill chunks of
     16..budget tokens on 0..8192 cached tokens; mixed batches of decodes plus one chunk
-    filling the budget (chunked prefill).
+    (mostly filling the budget: chunked prefill). With ``kv_tokens``, steps whose KV cache
+    could not fit on the instance are left out (they would only distort the fit).
     """
     rng = np.random.default_rng(seed)
     rows: list[tuple[float, float, float, float, float, float]] = []
 
     def add(decodes: int, ctx_mean: float, chunk: int, chunk_ctx: int) -> None:
+        if kv_tokens is not None and decodes * ctx_mean + chunk + chunk_ctx > kv_tokens:
+            return
         a = float(attn_units(chunk, chunk_ctx)) if chunk else 0.0
         ae = float(attn_eff_units(chunk, chunk_ctx, half_eff_tokens)) if chunk else 0.0
         rows.append(

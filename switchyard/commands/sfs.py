@@ -280,6 +280,10 @@ def build_profiles(data_dir: Path, dense_tables: dict[str, dict[str, Any]]) -> d
             prefill_ms_per_attn_unit=float(attn_ms * cal["attn_scale"]),
             prefill_half_eff_tokens=HALF_EFF_TOKENS,
         )
+        usable = (
+            GPU_MEM_UTIL * GPU_MEM_BYTES * spec.tp - 2.0 * spec.params - ACT_RESERVE_BYTES * spec.tp
+        )
+        kv_blocks = int(usable / kv_bytes // 16)
         design: Design = fit_design(8192, 256, HALF_EFF_TOKENS)
         rep = fit_on_table(table, design)
         m = rep.model
