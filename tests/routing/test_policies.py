@@ -327,3 +327,21 @@ def test_default_policy_with_real_sfs_estimator() -> None:
             or DecisionFlag.SLO_INFEASIBLE in d.flags
             or DecisionFlag.LPS_ESTIMATE in d.flags
         )
+
+
+def test_nan_quality_from_a_predictor_is_a_clear_error() -> None:
+    class Broken(FakeQuality):
+        def predict(self, texts: Sequence[str]) -> Estimate:
+            est = super().predict(texts)
+            est.mean[0, 1] = np.nan
+            return est
+
+    ctx = RouterContext(cluster(), Broken(), FakeLength(), ttft=QueueTtft())
+    with pytest.raises(ValueError, match="NaN or inf quality"):
+        make_router(DEFAULT_POLICY, ctx).decide(
+            queries([10, 20]), views([0] * 4, [2] * 4), Budget(window_usd=1.0), now=0.0
+        )
+    with pytest.raises(ValueError, match="window_usd must be a finite number"):
+        Budget(window_usd=float("nan"))
+    with pytest.raises(ValueError, match="lam_per_usd must be"):
+        RouterContext(cluster(), FakeQuality(), lam_per_usd=-1.0)
