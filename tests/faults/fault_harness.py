@@ -671,7 +671,7 @@ def start_router(
     name: str = "router",
     wait_s: float = 90.0,
 ) -> Proc:
-    """Start ``switchyard router`` and wait until it owns ``queries`` partitions."""
+    """Start ``switchyard router``; wait until it owns ``queries`` partitions (``wait_s`` > 0)."""
     proc = procs.start(
         name,
         [
@@ -687,8 +687,15 @@ def start_router(
             *extra,
         ],
     )
-    wait_router_ready(proc, wait_s)
+    if wait_s > 0:
+        wait_router_ready(proc, wait_s)
     return proc
+
+
+def router_ready(proc: Proc) -> bool:
+    """True once the router's log shows a partition assignment; fails if it died."""
+    proc.check_alive()
+    return ROUTER_READY in proc.text()
 
 
 def wait_router_ready(proc: Proc, wait_s: float = 90.0, after: int = 0) -> float:

@@ -1,4 +1,10 @@
-"""Scenario 6 — hostile input through the real router: never crashes, nothing bad slips through.
+"""Router faults: scenario 6 (hostile input) and scenario 1 (``kill -9`` mid-replay).
+
+One router rig per module: a broker and Redis this module owns, a real ``switchyard
+router`` subprocess, instances heart-beaten by the test (no workers: these scenarios are
+about the router alone; capacity is set high so nothing waits for a worker).
+
+Scenario 6 — hostile input through the real router: never crashes, nothing bad slips through.
 
 100,000 generated bad messages (``strategies.parse_bad_messages`` drawings, plus duplicate
 ids with different bodies and unknown tenants) are interleaved at random with 10,000 valid
@@ -7,10 +13,15 @@ Redis this module owns; the test heart-beats the instances) must stay up, put ev
 message in ``dead-letters`` with a reason (matched by source partition and offset), and
 route every valid query exactly once. The throughput cost is the hostile stream's rate
 against a clean stream's on the same router.
+
+Scenario 1 — a 10,000-query replay (paced producer, as ``switchyard replay`` produces) with
+the router ``kill -9``'d by pid at 40 % and restarted at once: every query routed, none
+routed twice (route topics read end to end), recovery time measured.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -30,6 +41,7 @@ from fault_harness import (
     cluster_spec,
     policy_name,
     produce_all,
+    router_ready,
     service_env,
     start_router,
     write_cluster,
@@ -306,3 +318,105 @@ async def test_near_max_bad_message_does_not_stall_the_router(rig: Rig, tmp_path
             )
         lost, twice = reader.tally.ids_routed(ids)
         assert not lost and not (twice & ids), f"lost {sorted(lost)}, twice {sorted(twice & ids)}"
+
+
+N_REPLAY = 10_000
+REPLAY_RATE = 2_000.0  # queries/s
+KILL_AT = 4_000
+
+
+async def test_router_kill9_mid_replay_loses_nothing(rig: Rig) -> None:
+    run_id = "rc-" + uuid.uuid4().hex[:6]
+    ids = [f"{run_id}-{i}" for i in range(N_REPLAY)]
+    messages = [
+        (
+            qid.encode(),
+            f'{{"id": "{qid}", "prompt": "replayed query {i}", "max_tokens": 8}}'.encode(),
+        )
+        for i, qid in enumerate(ids)
+    ]
+    marks: dict[str, float] = {}
+    restarted: list[Any] = []
+    watchers: list[asyncio.Task[float]] = []
+
+    async def watch_ready(proc: Any) -> float:
+        await await_until(
+            lambda: router_ready(proc),
+            120,
+            f"the restarted router (pid {proc.pid}) to own partitions",
+        )
+        marks["ready"] = time.monotonic()
+        return marks["ready"]
+
+    def on_sent(i: int) -> None:
+        if i == KILL_AT:
+            old = rig.router
+            old.kill9()  # no shutdown hooks, no flush, no commit
+            marks["killed"] = time.monotonic()
+            marks["killed_wall"] = time.time()
+            rig.router = rig.procs.start("router", old.argv[3:])  # python -m switchyard.cli ARGS
+            restarted.append(rig.router)
+            watchers.append(asyncio.get_running_loop().create_task(watch_ready(rig.router)))
+
+    async with (
+        Heartbeats(rig.settings.redis_kwargs(), rig.cluster),
+        TopicReader(rig.settings.kafka_kwargs(), ["decisions"]) as reader,
+    ):
+        t0 = time.monotonic()
+        await produce_all(
+            rig.settings.kafka_kwargs(),
+            "queries",
+            messages,
+            rate_per_s=REPLAY_RATE,
+            on_sent=on_sent,
+        )
+        assert restarted, "the router was never killed"
+        new = restarted[0]
+        await watchers[0]
+
+        def all_routed() -> bool:
+            new.check_alive()
+            reader.check()
+            return all(q in reader.tally.routed for q in ids)
+
+        try:
+            await await_until(all_routed, 180, f"all {N_REPLAY} replayed queries routed")
+        except AssertionError as exc:
+            lost, _ = reader.tally.ids_routed(ids)
+            pytest.fail(
+                f"{exc}: {len(lost)} not routed, e.g. {sorted(lost)[:5]}; router log:\n{new.tail(1500)}"
+            )
+        drained = time.monotonic()
+        await asyncio.sleep(2.0)  # anything routed twice would show up late
+        lost, twice = reader.tally.ids_routed(ids)
+        twice_ids = twice & set(ids)
+        copies = sum(len(reader.tally.routed[q]) for q in ids)
+        routed_decisions = sum(len(reader.tally.ok_routed_decisions(q)) for q in ids)
+
+    figures = {
+        "policy": rig.policy,
+        "queries_sent": N_REPLAY,
+        "replay_rate_per_s": REPLAY_RATE,
+        "killed_after_sent": KILL_AT,
+        "lost": len(lost),
+        "routed_twice": len(twice_ids),
+        "route_messages": copies,
+        "routed_decisions": routed_decisions,
+        "restart_to_partitions_s": round(marks["ready"] - marks["killed"], 1),
+        "kill_to_all_routed_s": round(drained - marks["killed"], 1),
+        "replay_elapsed_s": round(drained - t0, 1),
+        "command": "make test PYTEST_ARGS='tests/faults/test_router_faults.py -k kill9'",
+    }
+    write_figures("1_router_kill9", figures)
+    assert not lost, f"{len(lost)} queries lost, e.g. {sorted(lost)[:5]}"
+    examples = []
+    for qid in sorted(twice_ids, key=lambda q: int(q.rsplit("-", 1)[1]))[:4]:
+        seen = [
+            f"{topic} decided {body['decision']['decided_at'] - marks['killed_wall']:+.2f} s"
+            for topic, body in reader.tally.routed[qid]
+        ]
+        examples.append(f"{qid}: {seen}")
+    assert not twice_ids, (
+        f"{len(twice_ids)} queries routed twice (in {copies} route messages for {N_REPLAY} "
+        f"queries); times relative to the kill: {examples}"
+    )
