@@ -25,6 +25,7 @@ from typing import Any
 import lightgbm as lgb
 import numpy as np
 import numpy.typing as npt
+import scipy.sparse as sp
 
 from routing.quality.base import Arrays, Float32Array, bootstrap_weights, check_xy
 from routing.types import FloatArray
@@ -35,8 +36,8 @@ class GBDTEstimator:
 
     def __init__(
         self,
-        n_trees: int = 60,
-        num_leaves: int = 15,
+        n_trees: int = 40,
+        num_leaves: int = 31,
         learning_rate: float = 0.1,
         min_data_in_leaf: int = 40,
         lambda_l2: float = 1.0,
@@ -53,6 +54,7 @@ class GBDTEstimator:
         self.booster: lgb.Booster | None = None
         self.n_models = 0
         self.values: npt.NDArray[np.float32] | None = None  # [B, T * L] leaf values
+        self.values_t: npt.NDArray[np.float32] = np.zeros((0, 0), np.float32)  # [T * L, B]
         self.base: npt.NDArray[np.float32] | None = None  # [B]
         self.max_leaves = 0
 
@@ -117,6 +119,7 @@ class GBDTEstimator:
             V[:, t] = v
             f += np.take_along_axis(v, leaf[None, :, t].repeat(B, 0), axis=1)
         self.values = V.reshape(B, T * L).astype(np.float32)
+        self.values_t = np.ascontiguousarray(self.values.T)
         self.base = base.astype(np.float32)
         return self
 
@@ -127,12 +130,15 @@ class GBDTEstimator:
         n, m = len(X), self.n_models
         leaf = self._leaves(self._stack(X, m))  # [R, T]
         T = leaf.shape[1]
-        flat = leaf + (np.arange(T) * self.max_leaves)[None, :]
+        flat = (leaf + (np.arange(T) * self.max_leaves)[None, :]).ravel()
+        # one-hot leaf matrix [R, T*L] (T ones per row) times the leaf values of all B
+        # replicates [T*L, B]: one sparse product instead of B gathers
+        onehot = sp.csr_matrix(
+            (np.ones(flat.size, dtype=np.float32), flat, np.arange(0, flat.size + 1, T)),
+            shape=(n * m, self.values.shape[1]),
+        )
         B = self.values.shape[0]
-        out = np.empty((B, n * m), dtype=np.float32)
-        for b in range(B):  # B gathers of [R, T]: cache-friendly, no [B, R, T] temporary
-            out[b] = self.values[b][flat].sum(axis=1)
-        out += self.base[:, None]
+        out = np.asarray(onehot @ self.values_t).T + self.base[:, None]  # [B, R]
         res: npt.NDArray[np.float32] = np.clip(out.reshape(B, n, m), 0.0, 1.0)
         return res
 
@@ -167,5 +173,6 @@ class GBDTEstimator:
         e.max_leaves = int(params["max_leaves"])
         e.booster = lgb.Booster(model_str=bytes(arrays["booster"]).decode("utf-8"))
         e.values = arrays["values"].astype(np.float32)
+        e.values_t = np.ascontiguousarray(e.values.T)
         e.base = arrays["base"].astype(np.float32)
         return e

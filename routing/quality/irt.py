@@ -9,7 +9,7 @@ overall ability. Fitted by minimising weighted cross-entropy against the scores
 (graded scores in [0, 1] act as soft labels) plus an L2 penalty, with L-BFGS on the
 analytic gradient. All ``B`` bootstrap replicates are fitted in one joint problem
 (the objective is a sum of independent per-replicate terms), started from the
-full-data fit.
+full-data fit. Defaults (K = 16, l2 = 3e-5) were chosen on dc9's training queries.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class IRTEstimator:
     name = "irt"
 
     def __init__(
-        self, n_traits: int = 8, l2: float = 1e-3, max_iter: int = 300, seed: int = 0
+        self, n_traits: int = 16, l2: float = 3e-5, max_iter: int = 300, seed: int = 0
     ) -> None:
         if n_traits < 1:
             raise ValueError(f"n_traits must be >= 1, got {n_traits}")
@@ -52,6 +52,7 @@ class IRTEstimator:
         mask: npt.NDArray[np.float64],
         weights: npt.NDArray[np.float64],  # [B, n]
         init: npt.NDArray[np.float64],
+        max_iter: int,
     ) -> npt.NDArray[np.float64]:
         B, n = weights.shape
         d, m, K = X.shape[1], Y.shape[1], self.n_traits
@@ -71,22 +72,24 @@ class IRTEstimator:
 
         def fun(theta: npt.NDArray[np.float64]) -> tuple[float, npt.NDArray[np.float64]]:
             W, A, b = unpack(theta)
-            T = np.einsum("nd,bdk->bnk", X, W)  # traits [B, n, K]
-            L = b[:, None, :] + np.einsum("bnk,bmk->bnm", T, A)
+            # all products are BLAS matmuls (einsum without BLAS is ~5x slower here)
+            T = (X @ W.transpose(1, 0, 2).reshape(d, B * K)).reshape(n, B, K).transpose(1, 0, 2)
+            L = b[:, None, :] + T @ A.transpose(0, 2, 1)  # [B, n, m]
             P = _sigmoid(L)
             # cross-entropy with soft labels, stable form: softplus(L) - y L
             ce = np.logaddexp(0.0, L) - Y[None] * L
             loss = float((wm * ce).sum()) + lam * float((W**2).sum() + (A**2).sum())
             G = wm * (P - Y[None])  # [B, n, m]
-            gA = np.einsum("bnm,bnk->bmk", G, T) + 2 * lam * A
-            gT = np.einsum("bnm,bmk->bnk", G, A)
-            gW = np.einsum("nd,bnk->bdk", X, gT) + 2 * lam * W
+            gA = G.transpose(0, 2, 1) @ T + 2 * lam * A
+            gT = G @ A  # [B, n, K]
+            gW = (X.T @ gT.transpose(1, 0, 2).reshape(n, B * K)).reshape(d, B, K).transpose(1, 0, 2)
+            gW = gW + 2 * lam * W
             gb = G.sum(axis=1)
             grad = np.concatenate([gW.reshape(B, -1), gA.reshape(B, -1), gb], axis=1).ravel()
             return loss, grad
 
         res = minimize(
-            fun, init.ravel(), jac=True, method="L-BFGS-B", options={"maxiter": self.max_iter}
+            fun, init.ravel(), jac=True, method="L-BFGS-B", options={"maxiter": max_iter}
         )
         out: npt.NDArray[np.float64] = np.asarray(res.x).reshape(B, per)
         return out
@@ -105,10 +108,12 @@ class IRTEstimator:
             [rng.normal(0, 0.1, d * K), rng.normal(0, 0.1, m * K), np.log(p / (1 - p))]
         )[None]
         maskf = mask.astype(np.float64)
-        full = self._solve(Xd, Yz, maskf, np.ones((1, n)), init)
+        full = self._solve(Xd, Yz, maskf, np.ones((1, n)), init, self.max_iter)
         if n_replicates > 1:
             W = bootstrap_weights(n, n_replicates, seed)
-            theta = self._solve(Xd, Yz, maskf, W, np.repeat(full, n_replicates, axis=0))
+            # replicates start at the full-data optimum: a third of the iterations suffices
+            start = np.repeat(full, n_replicates, axis=0)
+            theta = self._solve(Xd, Yz, maskf, W, start, max(self.max_iter // 3, 20))
         else:
             theta = full
         B = theta.shape[0]

@@ -23,7 +23,7 @@ class KNNEstimator:
     name = "knn"
 
     def __init__(
-        self, k: int = 24, semantic_dims: int | None = None, prior_weight: float = 1.0
+        self, k: int = 48, semantic_dims: int | None = None, prior_weight: float = 1.0
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
