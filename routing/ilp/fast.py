@@ -173,24 +173,24 @@ def dual_bound(p: BatchProblem, mu: float, v: FloatArray) -> float:
 
 
 def greedy_feasible(p: BatchProblem) -> IntArray:
-    """A cheap feasible assignment: best affordable column in arrival order, else defer."""
+    """A quick feasible assignment that routes as many queries as it can.
+
+    Every query to its cheapest column with room (most constrained queries first),
+    the budget restored by deferring the most expensive, tenant rows repaired, then
+    left-over budget spent on the best utility-per-dollar upgrades.
+    """
     x = np.full(p.n, DEFERRED, dtype=np.int64)
     counts = np.zeros(p.k, dtype=np.int64)
-    left = p.budget_usd
-    gleft = None if not p.has_groups else np.array(p.group_budget_usd, dtype=np.float64)
-    for i in range(p.n):
-        ok = p.mask[i] & (counts < p.cap) & (p.c[i] <= left)
-        if gleft is not None and p.group is not None and p.group[i] >= 0:
-            ok &= p.c[i] <= gleft[p.group[i]]
-        if not ok.any():
-            continue
-        j = int(np.where(ok, p.a[i], _NEG).argmax())
-        x[i] = j
-        counts[j] += 1
-        left -= p.c[i, j]
-        if gleft is not None and p.group is not None and p.group[i] >= 0:
-            gleft[p.group[i]] -= p.c[i, j]
-    return x
+    cost = np.where(p.mask, p.c, np.inf)
+    order = np.lexsort((cost.min(axis=1), p.mask.sum(axis=1)))
+    for i in order.tolist():
+        row = np.where(counts < p.cap, cost[i], np.inf)
+        j = int(row.argmin())
+        if np.isfinite(row[j]):
+            x[i] = j
+            counts[j] += 1
+    x = repair_groups(p, _cut_spend(p, x))
+    return repair_groups(p, _upgrade(p, x))
 
 
 def repair_groups(p: BatchProblem, x: IntArray) -> IntArray:

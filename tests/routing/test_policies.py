@@ -345,3 +345,18 @@ def test_nan_quality_from_a_predictor_is_a_clear_error() -> None:
         Budget(window_usd=float("nan"))
     with pytest.raises(ValueError, match="lam_per_usd must be"):
         RouterContext(cluster(), FakeQuality(), lam_per_usd=-1.0)
+
+
+def test_deadline_returns_a_feasible_flagged_window() -> None:
+    qs = queries([500] * 30)
+    vs = views([0, 0, 0, 0], [10, 10, 10, 10])
+    cost_large = 500 * 1e-5 + 200 * 2e-5
+    budget = Budget(window_usd=5 * cost_large)
+    router = make_router("batch-ilp", context(), robust=False, deadline_ms=1e-6)
+    ds = router.decide(qs, vs, budget, now=0.0)
+    check_invariants(qs, vs, budget, ds, "batch-ilp")
+    assert all(DecisionFlag.DEADLINE in d.flags for d in ds)
+    # 10 small + 10 medium + 4 large is the most the budget affords, as without a deadline
+    assert sum(d.status == DecisionStatus.ROUTED for d in ds) == 24
+    full = make_router("batch-ilp", context(), robust=False).decide(qs, vs, budget, now=0.0)
+    assert sum(d.status == DecisionStatus.ROUTED for d in full) == 24
