@@ -508,6 +508,10 @@ class RouterService:
     async def _produce(self, outs: list[tuple[str, bytes, bytes]]) -> None:
         if not outs:
             return
+        send_all = getattr(self.sink, "send_all", None)
+        if send_all is not None:
+            await send_all(outs)
+            return
         futures = [await self.sink.send(topic, key, value) for topic, key, value in outs]
         await asyncio.gather(*futures)
 
