@@ -58,6 +58,9 @@ def _check_state(state: InstanceState) -> None:
 
 
 def _as_tokens(name: str, values: IntArray | list[int], min_value: int) -> IntArray:
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        if values.size == 0 or int(values.min()) >= min_value:
+            return values
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be a 1-D array of token counts, got shape {arr.shape}")
@@ -282,34 +285,33 @@ def _all_decoding_fast_path(
     """
     p = state.prompt_tokens
     n = p.size
-    if n == 0 or n >= sched.max_num_seqs or budget - n <= 0:
+    if n == 0 or n >= sched.max_num_seqs or budget <= n:
         return None
-    pre = state.prefilled_tokens
-    if not np.array_equal(pre, p) or (p < 1).any():
+    if not (state.prefilled_tokens == p).all():
         return None
-    dec = np.maximum(state.decoded_tokens, 1)
+    dec = state.decoded_tokens
     out = state.predicted_output_tokens
-    if (out < 1).any():
+    if int(out.min()) < 1 or int(dec.min()) < 1:
         return None
-    remaining = np.maximum(out, dec + 1) - dec
-    k1 = int(remaining.min())
+    k1 = max(int((out - dec).min()), 1)
     left = budget - n
     m = -(-need // left)
-    if int(m.max()) > k1:
-        return None
-    ctx = p + dec - 1
-    used = int((-(-(ctx + 1) // sched.block_size_tokens)).sum())
-    if int(first_blocks.max()) > sched.kv_blocks - used:
-        return None
-    # KV growth over the m steps must not force a preemption
     mm = int(m.max())
-    if (
-        int((-(-(ctx + mm) // sched.block_size_tokens)).sum())
-        + int(-(-need.max() // sched.block_size_tokens))
-        > sched.kv_blocks
-    ):
+    if mm > k1:
         return None
-    base = model.c0_ms + model.c1_ms_per_token * n + model.c2_ms_per_ctx_token * float(ctx.sum())
+    ctx_sum = int(p.sum()) + int(dec.sum()) - n  # each decode attends to prompt + output - 1
+    bs = sched.block_size_tokens
+    # KV: an upper bound on the blocks held after mm steps, plus the candidate's own
+    bound = (ctx_sum + n * mm) // bs + n + int(need.max()) // bs + 1
+    if bound > sched.kv_blocks:
+        ctx = p + dec - 1
+        used = int(((ctx + bs) // bs).sum())
+        if int(first_blocks.max()) > sched.kv_blocks - used:
+            return None
+        grown = int(((ctx + mm + bs - 1) // bs).sum())
+        if grown + -(-int(need.max()) // bs) > sched.kv_blocks:
+            return None
+    base = model.c0_ms + model.c1_ms_per_token * n + model.c2_ms_per_ctx_token * ctx_sum
     growth = model.c2_ms_per_ctx_token * n
     mf = m.astype(np.float64)
     return np.asarray(mf * base + growth * mf * (mf - 1.0) / 2.0, dtype=np.float64)

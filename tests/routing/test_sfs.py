@@ -64,12 +64,16 @@ def test_decoding_residents_share_each_step() -> None:
 
 
 def test_preemption_when_kv_blocks_run_out() -> None:
-    # 6 blocks of 4 tokens: residents hold 3 blocks each and need a 4th; the later one is
-    # preempted, so the new query waits one step, then is admitted after it
+    # 6 KV blocks of 4 tokens. Residents A, B: prompt 8, 5 tokens out (12 cached = 3 blocks
+    # each), 2 more to go. Step 1: both need a 4th block -> B is preempted (re-queued with
+    # a 13-token prompt); A decodes alone and nobody is admitted. Step 2: A's last token; B
+    # (4 blocks) does not fit beside A, so the new query (FCFS behind B) waits too.
+    # Step 3: B's 13-token re-prefill and the new 4-token prompt run together.
     sched = SchedulerConfig(max_num_batched_tokens=512, kv_blocks=6, block_size_tokens=4)
     s = state([8, 8], [8, 8], [5, 5], [7, 7])
     got = estimate_ttft_ms(s, np.array([4]), M, sched, np.array([1]))
-    assert np.isfinite(got[0]) and got[0] > step(2, 24)
+    want = step(1, 12) + step(1, 13) + step(17, 0, 13 * 6.5 + 4 * 2)
+    assert got[0] == pytest.approx(want)
 
 
 def test_start_delay_is_added() -> None:
