@@ -84,6 +84,7 @@ class ExperimentInputs:
     command: str = ""
     replicates: int | None = None  # bootstrap replicates (default: 8 quick, 20 full)
     estimator: str = "gbdt"  # the quality estimator of every experiment but ``robust``
+    featurizer: Any = "hashed"  # text features of the predictors (a name or a Featurizer)
 
 
 @dataclass
@@ -136,9 +137,12 @@ def offline(
     n_replicates: int,
     seed: int,
     level: float = 0.9,
+    featurizer: Any = "hashed",
 ) -> Offline:
     """Train ``estimator`` on ``train``; predict quality, length and cost on ``test``."""
-    pred = train_predictor(train, estimator, n_replicates=n_replicates, level=level, seed=seed)
+    pred = train_predictor(
+        train, estimator, featurizer=featurizer, n_replicates=n_replicates, level=level, seed=seed
+    )
     est = pred.predict(test.texts)
     out_tok = pred.predict_output_tokens(test.texts, test.prompt_tokens)
     c_hat = pred.predict_cost_usd(test.prompt_tokens, out_tok)
@@ -229,7 +233,9 @@ def run_batching(inputs: ExperimentInputs, progress: Progress | None = None) -> 
     t0 = time.perf_counter()
     data = load_data(inputs)
     train, test = split(data, inputs.seed)
-    off = offline(train, test, inputs.estimator, replicates(inputs), inputs.seed)
+    off = offline(
+        train, test, inputs.estimator, replicates(inputs), inputs.seed, featurizer=inputs.featurizer
+    )
     a, c_hat = off.lower, off.c_hat
     batch_size = 64 if inputs.quick else 128
     n_rounds = 2 if inputs.quick else 10
@@ -382,7 +388,9 @@ def run_robust(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
     rows: list[dict[str, Any]] = []
     order = rng.permutation(test.n)
     for est in estimators:
-        off = offline(train, test, est, replicates(inputs), inputs.seed)
+        off = offline(
+            train, test, est, replicates(inputs), inputs.seed, featurizer=inputs.featurizer
+        )
         j_best, _, _ = best_single(off.scores, off.cost)
         batches = make_batches(order, batch_size)
         per_budget = []
@@ -601,7 +609,11 @@ def sim_setup(inputs: ExperimentInputs) -> SimSetup:
     train, test = split(data, inputs.seed)
     cluster = ClusterConfig.from_file(inputs.cluster_path)
     pred = train_predictor(
-        train, inputs.estimator, n_replicates=replicates(inputs), seed=inputs.seed
+        train,
+        inputs.estimator,
+        featurizer=inputs.featurizer,
+        n_replicates=replicates(inputs),
+        seed=inputs.seed,
     )
     lengths = (
         load_trace(inputs.trace_path)
@@ -984,7 +996,9 @@ def run_allocation(inputs: ExperimentInputs, progress: Progress | None = None) -
         )
     g = np.array([max(spec[m].gpus_per_instance, 1) for m in data.models], dtype=np.int64)
     slots = np.array([spec[m].max_concurrency for m in data.models], dtype=np.int64)
-    off = offline(train, test, inputs.estimator, replicates(inputs), inputs.seed)
+    off = offline(
+        train, test, inputs.estimator, replicates(inputs), inputs.seed, featurizer=inputs.featurizer
+    )
     window = min(256 if inputs.quick else 512, train.n, test.n)
     rng = np.random.default_rng(inputs.seed)
     n_hist = 2 if inputs.quick else 4

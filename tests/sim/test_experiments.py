@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
+from routing.features import HashedNgramFeaturizer
 from sim import experiments as ex
 from sim.traffic import adversarial_order
 
@@ -128,7 +129,15 @@ def _tiny_dataset(tmp: Path, n: int = 260) -> tuple[Path, Path, Path]:
 def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
     data, prices, cluster = _tiny_dataset(tmp_path)
     inputs = ex.ExperimentInputs(
-        data, "long", prices, cluster, tmp_path, quick=True, replicates=3, estimator="knn"
+        data,
+        "long",
+        prices,
+        cluster,
+        tmp_path,
+        quick=True,
+        replicates=3,
+        estimator="knn",
+        featurizer=HashedNgramFeaturizer(n_buckets=512, rank=8, fit_max_texts=300),
     )
     b = ex.run("batching", inputs)
     for kind in ("random", "adversarial"):
