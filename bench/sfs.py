@@ -300,6 +300,7 @@ def main() -> None:
     ap.add_argument(
         "--noise", type=float, default=0.0, help="engine step-time noise (log-normal sigma)"
     )
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     n_req = 400 if args.quick else 3000
