@@ -36,25 +36,29 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 from switchyard import services, topics  # noqa: E402
 from switchyard.demo import ProcessGroup  # noqa: E402
 
+SMALL, LARGE = "qwen2.5-7b-instruct", "llama3-chatqa-1.5-70b"  # names the demo predictor knows
+
 
 def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
     return {
         "models": [
             {
-                "name": "small",
-                "input_usd_per_token": 1e-7,
+                "name": SMALL,
+                "profile": "llama-2-7b-hf@h100",
+                "input_usd_per_token": 2e-7,
                 "output_usd_per_token": 2e-7,
                 "max_concurrency": 65536,
             },
             {
-                "name": "large",
-                "input_usd_per_token": 1e-6,
-                "output_usd_per_token": 2e-6,
+                "name": LARGE,
+                "profile": "llama-2-70b-hf@h100",
+                "input_usd_per_token": 9e-7,
+                "output_usd_per_token": 9e-7,
                 "max_concurrency": 65536,
             },
-        ],
+        ],  # fmt: skip
         "instances": [
-            {"id": f"{rid}-{i}", "model": "small" if i % 2 == 0 else "large"}
+            {"id": f"{rid}-{i}", "model": SMALL if i % 2 == 0 else LARGE}
             for i in range(n_instances)
         ],
         "tenants": [{"tenant": "default", "budget_usd": 1e6, "period_s": 86400}],
@@ -179,7 +183,9 @@ def main() -> int:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--window-ms", type=float, default=50.0)
     ap.add_argument("--max-batch", type=int, default=2000)
-    ap.add_argument("--policy", default="auto", help="auto: round-robin from routing.policies")
+    ap.add_argument(
+        "--policy", default="round-robin", help="a routing.policies name, or module:factory"
+    )
     ap.add_argument(
         "--latency-rate",
         type=float,
@@ -219,13 +225,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     )
     procs = ProcessGroup(home / "logs", env=env)
     policy = args.policy
-    if policy == "auto":
-        try:
-            import routing.policies  # noqa: F401
+    policy_args: list[str] = ["--policy", policy]
+    if ":" not in policy:
+        from switchyard.demo import ensure_predictor
 
-            policy = "round-robin"
-        except ImportError:
-            policy = "tests.streams.fake_router:factory"
+        policy_args += ["--predictor", str(ensure_predictor(home / "logs"))]
     store = await StateStore.connect(redis_url, namespace=ns)
     stop = asyncio.Event()
     hb = asyncio.create_task(heartbeat_loop(store, spec, stop))
@@ -241,8 +245,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     "router",
                     "--cluster",
                     str(cluster_file),
-                    "--policy",
-                    policy,
+                    *policy_args,
                     "--window-ms",
                     str(args.window_ms),
                     "--max-batch",
@@ -291,6 +294,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "max_batch": args.max_batch,
             "policy": policy,
             "cpus": os.cpu_count(),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
         }
         for r in routers:
             if not r.alive():

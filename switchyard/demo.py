@@ -155,6 +155,24 @@ def _wait_alive(instance_ids: list[str], timeout_s: float = 60.0) -> None:
     asyncio.run(check())
 
 
+def ensure_predictor(log_dir: Path) -> Path:
+    """The demo's quality predictor (kNN on data/routing/llmrouter_dc9), trained once (~15 s)."""
+    from switchyard.paths import state_dir
+
+    predictor = state_dir() / "demo" / "predictor-dc9-knn.npz"
+    if predictor.exists():
+        return predictor
+    predictor.parent.mkdir(parents=True, exist_ok=True)
+    group = ProcessGroup(log_dir)
+    child = group.switchyard(
+        "train", "train", "--data", str(DEMO_DATA), "--format", "long", "--estimator", "knn",
+        "--replicates", "8", "--test-fraction", "0", "--out", str(predictor),
+    )  # fmt: skip
+    if child.proc.wait() != 0:
+        raise RuntimeError(f"training the quality predictor failed:\n{child.tail()}")
+    return predictor
+
+
 def run_demo(
     duration_s: float = 120.0, rate_scale: float = 1.0, policy: str = "batch-ilp-sfs"
 ) -> int:
@@ -195,18 +213,10 @@ def run_demo(
         )
         group.env = dict(os.environ)
 
-        predictor = home / "predictor-dc9-knn.npz"
-        if not predictor.exists():
-            with console.status(
-                "training the quality predictor on data/routing/llmrouter_dc9 (once) …"
-            ):
-                child = group.switchyard(
-                    "train", "train", "--data", str(DEMO_DATA), "--format", "long", "--estimator", "knn",
-                    "--replicates", "8", "--test-fraction", "0", "--out", str(predictor),
-                )  # fmt: skip
-                if child.proc.wait() != 0:
-                    console.print(f"[red]error:[/] training failed:\n{child.tail()}")
-                    return 1
+        with console.status(
+            "training the quality predictor on data/routing/llmrouter_dc9 (once) …"
+        ):
+            predictor = ensure_predictor(group.log_dir)
 
         spec = ClusterConfig.from_file(DEMO_CLUSTER)
         ports = {inst.id: services.free_port() for inst in spec.instances}

@@ -1,0 +1,201 @@
+"""``RouterService`` in-process on real Redis and real Kafka (no Faust): the window's rules.
+
+- a bad message becomes a dead letter naming the problem and its offset; the window goes on;
+- a redelivered query already routed is dropped, one never marked routed is routed again,
+  and its reservations are not taken twice;
+- with every instance full, queries are held (input not finished) and routed once a slot
+  frees; the caller is told when a held input is finished;
+- the Prometheus registry carries the window's figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from schemas import ClusterConfig, DeadLetter, RoutedQuery
+from state import StateStore, period_id
+from streams.app import BatchSink
+from streams.service import Inbound, RouterConfig, RouterService
+from switchyard import topics
+
+pytestmark = pytest.mark.integration
+
+
+def cluster(rid: str, max_concurrency: int = 64) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "input_usd_per_token": 1e-7,
+                    "output_usd_per_token": 1e-7,
+                    "max_concurrency": max_concurrency,
+                }
+            ],  # fmt: skip
+            "instances": [{"id": f"{rid}-a", "model": "m"}, {"id": f"{rid}-b", "model": "m"}],
+            "tenants": [{"tenant": "default", "budget_usd": 10.0, "period_s": 86400}],
+        }
+    )
+
+
+def body(qid: str) -> bytes:
+    return json.dumps({"id": qid, "prompt": f"what is {qid}?"}).encode()
+
+
+async def read_topic(
+    bootstrap: str, topic: str, since_ms: int, until: Callable[[list[tuple[bytes, bytes]]], bool]
+) -> list[tuple[bytes, bytes]]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    tps = [TopicPartition(topic, p["partition"]) for t in described for p in t["partitions"]]
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    out: list[tuple[bytes, bytes]] = []
+    try:
+        consumer.assign(tps)
+        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
+        for tp in tps:
+            if found.get(tp) is None:
+                await consumer.seek_to_end(tp)
+            else:
+                consumer.seek(tp, found[tp].offset)
+        deadline = time.monotonic() + 20
+        while not until(out) and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=300)
+            out += [(r.key, r.value) for records in batch.values() for r in records]
+    finally:
+        await consumer.stop()
+    return out
+
+
+@pytest.fixture
+async def env(kafka_bootstrap: str, redis_url: str):  # type: ignore[no-untyped-def]
+    rid = "s" + uuid.uuid4().hex[:6]
+    store = await StateStore.connect(redis_url, namespace=f"t{rid}")
+    producer = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
+    )
+    await producer.start()
+    names = [
+        topics.DEAD_LETTERS,
+        topics.DECISIONS,
+        topics.RESULTS,
+        topics.route(f"{rid}-a"),
+        topics.route(f"{rid}-b"),
+    ]
+    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, names, partitions=2)
+    try:
+        yield rid, store, producer
+    finally:
+        await producer.stop()
+        await store.close()
+
+
+def make_service(rid: str, store: StateStore, producer: AIOKafkaProducer, max_concurrency: int = 64,
+                 done: list[Inbound] | None = None) -> RouterService:  # fmt: skip
+    from tests.streams.fake_router import SpreadRouter
+
+    spec = cluster(rid, max_concurrency)
+    on_done = done.append if done is not None else None
+    return RouterService(spec, SpreadRouter(spec), store, BatchSink(producer),
+                         RouterConfig(window_s=0.01), on_done=on_done, period_id=period_id)  # fmt: skip
+
+
+async def heartbeat(store: StateStore, rid: str, max_concurrency: int = 64) -> None:
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        await store.heartbeat(iid, "m", 30.0, max_concurrency)
+
+
+async def test_bad_messages_are_dead_letters_and_the_window_goes_on(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    svc = make_service(rid, store, producer)
+    since = int(time.time() * 1000)
+    items = [
+        Inbound(body(f"{rid}-1"), "queries", 0, 10),
+        Inbound(
+            b'{"id": "' + rid.encode() + b'-x", "prompt": "p", "ttft_slo_ms": 0}', "queries", 1, 11
+        ),
+        Inbound(b"\xff\xfe", "queries", 1, 12),
+        Inbound(body(f"{rid}-2"), "queries", 0, 13),
+    ]
+    outcome, unfinished = await svc.handle(items)
+    assert (outcome.routed, outcome.dead_letters, unfinished) == (2, 2, [])
+    letters = [
+        DeadLetter.model_validate_json(v)
+        for _, v in await read_topic(
+            kafka_bootstrap,
+            topics.DEAD_LETTERS,
+            since,
+            lambda got: sum(rid.encode() in v or b"/w==" in v or b"//4=" in v for _, v in got) >= 2,
+        )
+    ]
+    mine = {
+        (d.partition, d.offset): d for d in letters if d.topic == "queries" and d.offset in (11, 12)
+    }
+    assert "ttft_slo_ms must be > 0" in mine[(1, 11)].reason
+    assert "not valid UTF-8" in mine[(1, 12)].reason and mine[(1, 12)].raw() == b"\xff\xfe"
+    samples = {s.name: s.value for m in svc.metrics.registry.collect() for s in m.samples}
+    assert samples["switchyard_router_batch_size_count"] == 1
+    assert sum(v for k, v in samples.items() if k == "switchyard_router_dead_letters_total") == 2
+
+
+async def test_redelivery_is_routed_once_and_paid_once(env, kafka_bootstrap: str) -> None:  # type: ignore[no-untyped-def]
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    svc = make_service(rid, store, producer)
+    since = int(time.time() * 1000)
+    first, _ = await svc.handle([Inbound(body(f"{rid}-1"), "queries", 0, 1)])
+    again, _ = await svc.handle(
+        [Inbound(body(f"{rid}-1"), "queries", 0, 1)]
+    )  # redelivered after a commit was lost
+    assert first.routed == 1 and again.routed == 0 and again.dropped_duplicates == 1
+    # a crash after dedupe and before produce leaves an entry that is not marked routed
+    raw = body(f"{rid}-2")
+    await store.dedupe_many([(f"{rid}-2", hashlib.sha256(raw).hexdigest())], 60.0)
+    crashed, _ = await svc.handle([Inbound(raw, "queries", 0, 2)])
+    assert crashed.routed == 1
+    routed = []
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        routed += [
+            RoutedQuery.model_validate_json(v).query.id
+            for _, v in await read_topic(
+                kafka_bootstrap, topics.route(iid), since, lambda got: len(got) >= 1
+            )
+        ]
+    assert sorted(routed) == [f"{rid}-1", f"{rid}-2"]
+    status = await store.budget_status("default", period_id(time.time(), 86400))
+    assert status.n_reserved == 2
+
+
+async def test_full_instances_hold_queries_until_a_slot_frees(env) -> None:  # type: ignore[no-untyped-def]
+    rid, store, producer = env
+    await heartbeat(store, rid, max_concurrency=1)
+    done: list[Inbound] = []
+    svc = make_service(rid, store, producer, max_concurrency=1, done=done)
+    items = [Inbound(body(f"{rid}-{k}"), "queries", 0, k) for k in range(3)]
+    outcome, unfinished = await svc.handle(items)
+    assert outcome.routed == 2 and [it.offset for it in unfinished] == [
+        2
+    ]  # two slots, one query waits
+    assert await svc.retry_held() is not None and not done  # still full
+    held_slots = await store.slots_held(f"{rid}-a") + await store.slots_held(f"{rid}-b")
+    await store.release_slots(f"{rid}-a", held_slots)
+    await store.release_slots(f"{rid}-b", held_slots)
+    outcome = await svc.retry_held()
+    assert outcome is not None and outcome.routed == 1
+    assert [it.offset for it in done] == [2] and svc.held_count == 0

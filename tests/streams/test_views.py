@@ -1,0 +1,106 @@
+"""What the router sees: instance views from live state, and the window budget (pure)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from schemas import ClusterConfig, InstanceSnapshot, ResidentRequest, TenantBudget
+from streams.views import (
+    UNLIMITED_USD,
+    instance_views,
+    pacing_allowance,
+    period_left_s,
+    window_budget,
+)
+
+CLUSTER = ClusterConfig.model_validate(
+    {
+        "models": [
+            {
+                "name": "s",
+                "input_usd_per_token": 1e-7,
+                "output_usd_per_token": 1e-7,
+                "max_concurrency": 8,
+            },
+            {
+                "name": "l",
+                "input_usd_per_token": 1e-6,
+                "output_usd_per_token": 1e-6,
+                "max_concurrency": 4,
+            },
+        ],
+        "instances": [
+            {"id": "s0", "model": "s"},
+            {"id": "s1", "model": "s"},
+            {"id": "l0", "model": "l"},
+        ],
+    }
+)
+
+
+@dataclass
+class Live:
+    snapshot: InstanceSnapshot | None
+    slots_used: int
+    alive: bool
+    age_s: float
+
+
+def snap(iid: str, taken_at: float, n: int = 2) -> InstanceSnapshot:
+    residents = [
+        ResidentRequest(query_id=f"{iid}-{k}", prompt_tokens=100, prefilled_tokens=100)
+        for k in range(n)
+    ]
+    return InstanceSnapshot(instance_id=iid, model="s", taken_at=taken_at, residents=residents)
+
+
+def test_views_fresh_stale_missing_and_dead() -> None:
+    now = 1000.0
+    live = {
+        "s0": Live(snap("s0", now - 0.5), 3, True, 0.5),  # fresh: state, 5 free
+        "s1": Live(snap("s1", now - 10.0), 8, True, 10.0),  # stale: no state, no free slot
+        "l0": Live(None, 0, False, math.inf),  # no heartbeat: left out
+    }
+    views, excluded = instance_views(CLUSTER, live, now, stale_after_s=2.0)
+    assert excluded == ["l0"]
+    by_id = {v.instance_id: v for v in views}
+    assert set(by_id) == {"s0", "s1"}
+    assert by_id["s0"].state is not None and by_id["s0"].state.n == 2 and not by_id["s0"].stale
+    assert by_id["s0"].free_slots == 5
+    assert by_id["s1"].state is None and by_id["s1"].stale and by_id["s1"].free_slots == 0
+    # slots held above the limit (another router's race) never give negative free slots
+    live["s0"] = Live(snap("s0", now), 11, True, 0.0)
+    views, _ = instance_views(CLUSTER, live, now, 2.0)
+    assert views[0].free_slots == 0
+
+
+def test_pacing_allowance_spends_evenly_and_zero_disables() -> None:
+    assert pacing_allowance(10.0, 0.05, 100.0, 0.0) == 10.0
+    assert pacing_allowance(10.0, 1.0, 100.0, 2.0) == pytest.approx(
+        0.2
+    )  # 2 × 1 s / 100 s of 10 USD
+    assert pacing_allowance(10.0, 60.0, 10.0, 2.0) == 10.0  # never more than what is left
+    assert pacing_allowance(0.0, 1.0, 100.0, 2.0) == 0.0
+    assert period_left_s(3_605.0, 3_600.0) == pytest.approx(3_595.0)
+
+
+def test_window_budget_is_min_of_remaining_and_allowance() -> None:
+    budgets = {"a": TenantBudget(tenant="a", budget_usd=10.0, period_s=100.0)}
+    budget, windows = window_budget(
+        ["a", "b", "a"],
+        budgets,
+        {"a": 4.0},
+        {"a": "100s-0"},
+        now=50.0,
+        elapsed_s=1.0,
+        pacing_factor=5.0,
+    )
+    # a: 6 USD left, 50 s left in the period, allowance 6 × 5 × 1/50 = 0.6 USD
+    assert budget.tenant_remaining_usd["a"] == pytest.approx(0.6)
+    assert budget.tenant_remaining_usd["b"] == UNLIMITED_USD  # no budget configured
+    assert windows["a"].remaining_usd == pytest.approx(6.0) and windows["a"].period_id == "100s-0"
+    overspent, _ = window_budget(["a"], budgets, {"a": 12.0}, {"a": "100s-0"}, 50.0, 1.0, 0.0)
+    assert overspent.tenant_remaining_usd["a"] == 0.0 and overspent.window_usd == 0.0
