@@ -598,6 +598,64 @@ def policy_name(prefer: str | None, cluster: Any = None) -> str:
     return "faults_policy:factory"
 
 
+DEMO_DATA = REPO_ROOT / "data" / "routing" / "llmrouter_dc9" / "scores_long.csv.gz"
+
+
+def cached_predictor() -> tuple[Path | None, str]:
+    """A knn quality predictor trained once per ``$SWITCHYARD_HOME`` (about 20 s)."""
+    home = Path(os.environ.get("SWITCHYARD_HOME") or REPO_ROOT / ".switchyard")
+    path = home / "faults-predictor-dc9-knn.npz"
+    if path.exists():
+        return path, "cached"
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    cmd = [
+        PYTHON, "-m", "switchyard.cli", "train", "--data", str(DEMO_DATA), "--format", "long",
+        "--estimator", "knn", "--replicates", "4", "--test-fraction", "0", "--out", str(tmp),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return None, "training timed out"
+    if proc.returncode != 0 or not tmp.exists():
+        return None, f"training failed: {proc.stderr[-300:]}"
+    tmp.replace(path)
+    return path, "trained"
+
+
+def demo_cluster_spec(
+    prefix: str, tenants: Mapping[str, float], period_s: float = 3600
+) -> dict[str, Any]:
+    """``configs/demo-cluster.yaml`` (model names the trained predictor knows), ids prefixed."""
+    import yaml
+
+    spec = yaml.safe_load((REPO_ROOT / "configs" / "demo-cluster.yaml").read_text())
+    for inst in spec["instances"]:
+        inst["id"] = f"{prefix}-{inst['id']}"
+        inst.pop("endpoint", None)
+    spec["tenants"] = [
+        {"tenant": t, "budget_usd": usd, "period_s": period_s} for t, usd in tenants.items()
+    ]
+    return spec
+
+
+def product_policy(cluster: Any, name: str = "batch-ilp-sfs") -> tuple[str, list[str], str]:
+    """(policy, extra router args, note): the product policy with the cached predictor when
+    it loads, else the test-only policy (the note says why)."""
+    predictor, note = cached_predictor()
+    if predictor is None:
+        POLICY_NOTES[name] = note
+        return policy_name(None), [], note
+    try:
+        from streams.policy import load_router
+
+        load_router(name, cluster, predictor)
+    except Exception as exc:
+        POLICY_NOTES[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return policy_name(None), [], POLICY_NOTES[name]
+    return name, ["--predictor", str(predictor)], note
+
+
 def cluster_spec(
     prefix: str,
     *,

@@ -14,26 +14,23 @@ one ``Result`` (routed ones from a worker, the rest from the router after ``max_
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fault_harness import (
     POLICY_NOTES,
-    PYTHON,
     OwnedServices,
     Proc,
     Procs,
     TopicReader,
     await_until,
-    policy_name,
+    demo_cluster_spec,
     produce_all,
+    product_policy,
     service_env,
     start_router,
     wait_router_ready,
@@ -42,7 +39,6 @@ from fault_harness import (
     write_figures,
 )
 
-from switchyard.paths import REPO_ROOT
 from switchyard.settings import Settings
 
 pytestmark = pytest.mark.faults
@@ -54,43 +50,6 @@ BURST = 150
 MAX_TOKENS = 1024
 PROMPT_CHARS = 4_000  # ~1,000 prompt tokens
 TIME_SCALE = 50.0
-DEMO_DATA = REPO_ROOT / "data" / "routing" / "llmrouter_dc9" / "scores_long.csv.gz"
-
-
-def cached_predictor() -> tuple[Path | None, str]:
-    """A knn quality predictor trained once per ``$SWITCHYARD_HOME`` (about 20 s)."""
-    home = Path(os.environ.get("SWITCHYARD_HOME") or REPO_ROOT / ".switchyard")
-    path = home / "faults-predictor-dc9-knn.npz"
-    if path.exists():
-        return path, "cached"
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    cmd = [
-        PYTHON, "-m", "switchyard.cli", "train", "--data", str(DEMO_DATA), "--format", "long",
-        "--estimator", "knn", "--replicates", "4", "--test-fraction", "0", "--out", str(tmp),
-    ]  # fmt: skip
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-    except subprocess.TimeoutExpired:
-        return None, "training timed out"
-    if proc.returncode != 0 or not tmp.exists():
-        return None, f"training failed: {proc.stderr[-300:]}"
-    tmp.replace(path)
-    return path, "trained"
-
-
-def budget_cluster(prefix: str) -> dict[str, Any]:
-    import yaml
-
-    spec = yaml.safe_load((REPO_ROOT / "configs" / "demo-cluster.yaml").read_text())
-    for inst in spec["instances"]:
-        inst["id"] = f"{prefix}-{inst['id']}"
-        inst.pop("endpoint", None)
-    spec["tenants"] = [
-        {"tenant": TENANT, "budget_usd": BUDGET_USD, "period_s": 3600},
-        {"tenant": "default", "budget_usd": 1e6, "period_s": 3600},
-    ]
-    return spec
 
 
 @dataclass
@@ -107,29 +66,18 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     home = tmp_path_factory.mktemp("budget")
-    predictor, note = cached_predictor()
     owned = OwnedServices.start(home)
     procs: Procs | None = None
     try:
         prefix = "b" + uuid.uuid4().hex[:5]
         cluster_file = home / "cluster.json"
-        cluster = write_cluster(cluster_file, budget_cluster(prefix))
+        cluster = write_cluster(
+            cluster_file, demo_cluster_spec(prefix, {TENANT: BUDGET_USD, "default": 1e6})
+        )
         env = service_env(owned, namespace=prefix)
         procs = Procs(home / "logs", env)
-        policy = "batch-ilp-sfs"
-        extra = ["--max-hold-s", "3"]
-        if predictor is not None:
-            try:
-                from streams.policy import load_router
-
-                load_router(policy, cluster, predictor)
-                extra += ["--predictor", str(predictor)]
-            except Exception as exc:
-                POLICY_NOTES[policy] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                policy = policy_name(None)
-        else:
-            POLICY_NOTES[policy] = note
-            policy = policy_name(None)
+        policy, extra, note = product_policy(cluster)
+        extra = [*extra, "--max-hold-s", "3"]
         router = start_router(procs, cluster_file, policy, window_ms=100, extra=extra, wait_s=0)
         for inst in cluster.instances:
             procs.start(
