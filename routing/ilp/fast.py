@@ -550,7 +550,8 @@ def solve_fast(
     best_ub = dual_bound(p, 0.0, np.zeros(k))
     if p.spend(x0) <= p.budget_usd:
         consider(repair_groups(p, _upgrade(p, x0)))
-    if n * k < 2048:
+    small = n * k < 2048
+    if small:
         # small window: its integrality gap (one query's worth) dwarfs 0.1%, which no
         # Lagrangian bound certifies; spend fewer iterations chasing the bound
         taus, max_iter = taus[::2], min(max_iter, 25)
@@ -575,7 +576,9 @@ def solve_fast(
         for scale in (1.0, 0.99, 1.01, 0.97) if mu > 0 else (1.0,):
             x = _cut_spend(p, round_primal(p, mu * scale, v))
             consider(repair_groups(p, _upgrade(p, x)))
-        if levels >= 2 and best_ub - best_obj > 0.8 * prev_gap:
+            if best_ub - best_obj <= gap_tol * max(abs(best_obj), 1e-9):
+                break
+        if small and levels >= 2 and best_ub - best_obj > 0.8 * prev_gap:
             # diminishing returns: what is left is the integrality gap of a small
             # window (one query's worth), which no Lagrangian bound can close
             break
