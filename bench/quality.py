@@ -193,15 +193,19 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("")
     fr = report["budget_fractions"]
     lines.append(
-        "| dataset | estimator | " + " | ".join(f"{f:g}: point / robust (gain)" for f in fr) + " |"
+        "| dataset | estimator | "
+        + " | ".join(f"{f:g}: point / robust (gain) / uncal." for f in fr)
+        + " |"
     )
     lines.append("|" + "---|" * (2 + len(fr)))
     for r in report["results"]:
         cells = []
         for b in r["budgets"]:
             flag = "" if b["point"]["feasible"] else " *"
+            unc = b.get("robust_uncalibrated", {})
             cells.append(
-                f"{b['point']['quality']:.4f} / {b['robust']['quality']:.4f} ({100 * b['robust_gain']:+.1f}%){flag}"
+                f"{b['point']['quality']:.4f} / {b['robust']['quality']:.4f} "
+                f"({100 * b['robust_gain']:+.1f}%) / {unc.get('quality', float('nan')):.4f}{flag}"
             )
         lines.append(f"| {r['dataset']} | {r['estimator']} | " + " | ".join(cells) + " |")
     if report.get("level_sweep"):

@@ -88,9 +88,11 @@ def evaluate_routing(
     models: Sequence[str],
     budget_fractions: Sequence[float] = (0.1, 0.25, 0.5),
     curve_points: int = 20,
+    extra: dict[str, FloatArray] | None = None,
 ) -> dict[str, Any]:
     """Point vs robust per-query routing at each budget fraction, plus reference figures.
 
+    ``extra`` adds more routing variants by name (same budgets).
     ``scores`` and ``cost`` are realised ``[n, m]`` values (``scores`` may hold nan for
     pairs that were not evaluated; those count as missing in the means)."""
     mean_by_model = np.nanmean(scores, axis=0)
@@ -121,6 +123,10 @@ def evaluate_routing(
                 "point": point,
                 "robust": robust,
                 "robust_gain": gain,
+                **{
+                    name: routed_outcome(a, c_hat, scores, cost, budget)
+                    for name, a in (extra or {}).items()
+                },
             }
         )
     grid = np.linspace(0.05, 1.0, curve_points)
@@ -156,6 +162,8 @@ def evaluate_predictor(
             f"the data has no scores for predictor model(s) {missing}; data models: {data.models}"
         )
     data = data.select_models(predictor.models)
+    if np.isnan(data.input_usd_per_token).any() or np.isnan(data.output_usd_per_token).any():
+        raise ValueError("the data has no per-model prices; pass a models CSV (--models-csv)")
     n_all = data.n
     n_seen = 0
     if exclude_seen:
@@ -181,7 +189,14 @@ def evaluate_predictor(
     )
     realised = np.where(np.isnan(realised), formula, realised)
     report = evaluate_routing(
-        est.mean, est.lower, data.scores, realised, c_hat, data.models, budget_fractions
+        est.mean,
+        est.lower,
+        data.scores,
+        realised,
+        c_hat,
+        data.models,
+        budget_fractions,
+        extra={"robust_uncalibrated": raw_lower},
     )
     known = ~np.isnan(data.output_tokens)
     length_mae = (
