@@ -41,7 +41,9 @@ def register(app: typer.Typer) -> None:
         models_csv: Path | None = typer.Option(
             None, "--models-csv", help="Per-model prices (default: models.csv beside --data)"
         ),
-        estimator: str = typer.Option("knn", "--estimator", help="knn, gbdt or irt"),
+        estimator: str = typer.Option(
+            "irt", "--estimator", help="irt (default: fastest to predict), knn or gbdt"
+        ),
         out: Path = typer.Option(..., "--out", help="Artefact file to write (.npz)"),
         featurizer: str = typer.Option(
             "hashed", "--featurizer", help="hashed, minilm (optional extra) or auto"
