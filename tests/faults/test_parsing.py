@@ -47,7 +47,7 @@ def _reject(msg: Hostile) -> str:
     pytest.fail(f"{msg.kind}: accepted a hostile message as {query!r:.200} (raw {msg.raw!r:.200})")
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(parse_bad_messages(include_huge=False))
 def test_every_bad_message_is_rejected_with_a_reason(msg: Hostile) -> None:
     reason = _reject(msg)
@@ -58,7 +58,7 @@ def test_every_bad_message_is_rejected_with_a_reason(msg: Hostile) -> None:
     assert again.raw() == (msg.raw or b"") and again.reason == reason
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(valid_query_dicts())
 def test_valid_queries_parse_and_serialise(body: dict[str, object]) -> None:
     raw = json.dumps(body).encode()
