@@ -128,6 +128,11 @@ class Settings(BaseModel):
                 parts.append(f"{var}: {msg}")
             raise SettingsError("; ".join(parts)) from None
 
+    def __repr_args__(self) -> Any:
+        # a password embedded in SWITCHYARD_REDIS is a secret too: never print it
+        for name, value in super().__repr_args__():
+            yield name, redact_url(value) if name == "redis" and isinstance(value, str) else value
+
     # ------------------------------------------------------------------ Kafka
 
     @property
