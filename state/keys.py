@@ -7,7 +7,8 @@ together share a Redis Cluster hash tag, so the scripts run unchanged on a clust
 key                                    type    holds
 =====================================  ======  =================================================
 ``sy:inst:{<instance>}:hb``            hash    model, max_concurrency, at (last state write),
-                                               engine_running, engine_waiting; TTL = heartbeat
+                                               engine_running, engine_waiting,
+                                               engine_kv_usage; TTL = heartbeat
 ``sy:inst:{<instance>}:res``           hash    query id → "prompt,prefilled,decoded,predicted,
                                                arrived_at" (resident requests)
 ``sy:inst:{<instance>}:slots``         zset    query id → last touch (Redis time): capacity held

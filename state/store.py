@@ -77,6 +77,7 @@ class InstanceLive:
     max_concurrency: int | None = None
     engine_running: int | None = None  # as the engine itself reports (vLLM /metrics)
     engine_waiting: int | None = None
+    engine_kv_usage: float | None = None  # KV-cache usage, 0..1
 
     def free_slots(self, max_slots: int) -> int:
         return max(0, max_slots - self.slots_used)
@@ -169,6 +170,12 @@ def _count(value: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
     return value
+
+
+def _fraction(value: float, what: str) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value <= 1:
+        raise ValueError(f"{what} must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def _encode_resident(r: ResidentRequest) -> str:
@@ -311,6 +318,7 @@ class StateStore:
         *,
         engine_running: int | None = None,
         engine_waiting: int | None = None,
+        engine_kv_usage: float | None = None,
         now: float | None = None,
     ) -> None:
         """Mark the instance alive for ``ttl_s``; refresh its residents and their slots' leases."""
@@ -329,6 +337,9 @@ class StateStore:
                 keep_ms,
                 "" if engine_running is None else _count(engine_running, "engine_running"),
                 "" if engine_waiting is None else _count(engine_waiting, "engine_waiting"),
+                ""
+                if engine_kv_usage is None
+                else repr(_fraction(engine_kv_usage, "engine_kv_usage")),
             ],
         )
 
@@ -438,6 +449,7 @@ class StateStore:
                 max_concurrency=_opt_int(hb.get("max_concurrency")),
                 engine_running=_opt_int(hb.get("engine_running")),
                 engine_waiting=_opt_int(hb.get("engine_waiting")),
+                engine_kv_usage=_opt_float(hb.get("engine_kv_usage")),
             )
         return out
 

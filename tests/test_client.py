@@ -45,7 +45,10 @@ async def test_submit_and_collect_results(kafka_bootstrap: str) -> None:
                     batch = await consumer.getmany(timeout_ms=200)
                     for recs in batch.values():
                         for rec in recs:
-                            q = Query.model_validate_json(rec.value)
+                            try:
+                                q = Query.model_validate_json(rec.value)
+                            except ValueError:
+                                continue  # other tests' bad messages share the topic
                             if q.id.startswith(f"c-{tag}-") and q.id not in seen:
                                 assert rec.key == q.id.encode()
                                 seen.add(q.id)

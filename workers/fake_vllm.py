@@ -168,11 +168,7 @@ class FakeVllm:
         m = self.config.model
         self._running.labels(m).set(self.engine.n_running)
         self._waiting.labels(m).set(self.engine.n_waiting)
-        st = self.engine.engine.snapshot()
-        sched = self.engine.engine.sched
-        capacity = sched.kv_blocks * sched.block_size_tokens
-        used = float((st.prefilled_tokens + st.decoded_tokens).sum()) if st.n else 0.0
-        self._kv.labels(m).set(min(1.0, used / capacity) if capacity else 0.0)
+        self._kv.labels(m).set(self.engine.kv_usage())
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

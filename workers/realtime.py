@@ -187,6 +187,16 @@ class RealtimeEngine:
     def n_waiting(self) -> int:
         return self.engine.n_waiting
 
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache (``kv_blocks`` x ``block_size_tokens``) holding tokens."""
+        st = self.engine.snapshot()
+        sched = self.engine.sched
+        capacity = sched.kv_blocks * sched.block_size_tokens
+        if not st.n or capacity <= 0:
+            return 0.0
+        used = float((st.prefilled_tokens + st.decoded_tokens).sum())
+        return min(1.0, used / capacity)
+
     def drain_step_log(self) -> StepLog:
         """Steps executed since the last drain (needs ``record_steps=True``)."""
         steps = self.engine.step_log()

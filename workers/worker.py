@@ -633,6 +633,7 @@ class Worker:
                 self.concurrency,
                 engine_running=load.running,
                 engine_waiting=load.waiting,
+                engine_kv_usage=load.kv_usage,
             )
         )
         if resync:

@@ -174,13 +174,22 @@ async def test_bad_amounts_are_refused_with_a_clear_error(stores: list[StateStor
 
 async def test_heartbeat_ttl_expiry_and_snapshot_age(stores: list[StateStore]) -> None:
     s = stores[0]
-    await s.heartbeat("w1", "llama", ttl_s=0.3, max_concurrency=8, now=1000.0, engine_running=2)
+    await s.heartbeat(
+        "w1",
+        "llama",
+        ttl_s=0.3,
+        max_concurrency=8,
+        now=1000.0,
+        engine_running=2,
+        engine_kv_usage=0.5,
+    )
     await s.heartbeat("w2", "mistral", ttl_s=30, max_concurrency=4, now=1000.0)
     live = await stores[1].snapshots(["w1", "w2", "never"], now=1002.5)
     assert live["w1"].alive and live["w1"].snapshot is not None
     assert live["w1"].snapshot.model == "llama"
     assert live["w1"].age_s == pytest.approx(2.5)
     assert live["w1"].max_concurrency == 8 and live["w1"].engine_running == 2
+    assert live["w1"].engine_kv_usage == 0.5 and live["w1"].engine_waiting is None
     assert (
         live["never"].snapshot is None
         and not live["never"].alive

@@ -50,6 +50,7 @@ class EngineLoad:
 
     running: int | None = None
     waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
 
 
 class Backend(Protocol):

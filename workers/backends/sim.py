@@ -49,7 +49,11 @@ class SimBackend:
         await self.engine.stop()
 
     async def engine_load(self) -> EngineLoad:
-        return EngineLoad(running=self.engine.n_running, waiting=self.engine.n_waiting)
+        return EngineLoad(
+            running=self.engine.n_running,
+            waiting=self.engine.n_waiting,
+            kv_usage=self.engine.kv_usage(),
+        )
 
     def drain_steps(self) -> StepLog:
         """Engine steps executed since the last call (reported for step-time recalibration)."""

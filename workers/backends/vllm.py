@@ -39,7 +39,8 @@ _PASS_COMMON = (
 _PASS_COMPLETION = ("logprobs", "suffix")
 _PASS_CHAT = ("top_logprobs", "response_format", "tools", "tool_choice")
 _METRIC = re.compile(
-    r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)\s*$"
+    r"^(vllm:num_requests_(?:running|waiting)|vllm:(?:gpu|kv)_cache_usage_perc)"
+    r"(?:\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)\s*$"
 )
 
 
@@ -101,9 +102,12 @@ def parse_engine_load(text: str) -> EngineLoad:
             values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
     running = values.get("vllm:num_requests_running")
     waiting = values.get("vllm:num_requests_waiting")
+    # vLLM V0 names it gpu_cache_usage_perc, V1 kv_cache_usage_perc; both are fractions (0..1)
+    kv = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc"))
     return EngineLoad(
         running=None if running is None else int(running),
         waiting=None if waiting is None else int(waiting),
+        kv_usage=None if kv is None else min(1.0, max(0.0, kv)),
     )
 
 
