@@ -177,7 +177,7 @@ async def test_heartbeat_ttl_expiry_and_snapshot_age(stores: list[StateStore]) -
     await s.heartbeat(
         "w1",
         "llama",
-        ttl_s=0.3,
+        ttl_s=1.0,
         max_concurrency=8,
         now=1000.0,
         engine_running=2,
@@ -195,7 +195,7 @@ async def test_heartbeat_ttl_expiry_and_snapshot_age(stores: list[StateStore]) -
         and not live["never"].alive
         and live["never"].age_s == float("inf")
     )
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(1.2)
     live = await stores[1].snapshots(["w1", "w2"], now=1003.0)
     assert not live["w1"].alive and live["w1"].snapshot is None
     assert live["w2"].alive

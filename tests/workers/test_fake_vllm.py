@@ -118,9 +118,14 @@ async def test_bad_requests_get_openai_errors(server: RunningServer) -> None:
         assert text in resp.json()["error"]["message"]
 
 
-async def test_backend_ttft_usage_and_gauges_while_running(server: RunningServer) -> None:
+async def test_backend_ttft_usage_and_gauges_while_running() -> None:
+    # a slow engine (half real speed): the six requests are all resident for a while
+    server = await start_server(
+        build_server(coefficients=COEF, time_scale=0.5, config=FakeVllmConfig(model="m"))
+    )
     backend = VllmBackend(VllmConfig(endpoint=server.url + "/v1", model="m"))
     await backend.start()
+    engine = server.server.engine
     try:
         qs = [Query(id=f"q{i}", prompt="word " * 400, max_tokens=200) for i in range(6)]
         progress: dict[str, list[tuple[int, int]]] = {q.id: [] for q in qs}
@@ -130,11 +135,14 @@ async def test_backend_ttft_usage_and_gauges_while_running(server: RunningServer
             )
             for q in qs
         ]
-        await asyncio.sleep(0.02)
+        async with asyncio.timeout(10):
+            while engine.n_running + engine.n_waiting < 6:
+                await asyncio.sleep(0.005)
         load = await backend.engine_load()
         gens = await asyncio.gather(*tasks)
     finally:
         await backend.close()
+        await server.stop()
     assert (
         load.running is not None and load.waiting is not None and load.running + load.waiting == 6
     )
