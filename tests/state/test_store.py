@@ -8,6 +8,7 @@ import hashlib
 import random
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -328,3 +329,55 @@ async def test_dedupe_many_in_one_round_trip(stores: list[StateStore]) -> None:
     assert again[200:] == [("new", None)] * 100
     with pytest.raises(ValueError, match="query id 'bad id'"):
         await s.dedupe_many([("bad id", sha[0])], ttl_s=60)
+
+
+async def test_every_script_call_stays_in_one_cluster_hash_slot(
+    stores: list[StateStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis Cluster runs a script only when all its keys hash to one slot: every call here
+    must name keys with one and the same hash tag."""
+    import re
+
+    s = stores[0]
+    seen: list[tuple[str, set[str]]] = []
+
+    def tags(keys: list[str]) -> set[str]:
+        out = set()
+        for k in keys:
+            m = re.search(r"\{([^}]+)\}", k)
+            assert m, f"key {k!r} has no hash tag"
+            out.add(m.group(1))
+        return out
+
+    orig_script, orig_many = s._script, s._script_many
+
+    async def script(name: str, keys: Any, args: Any) -> Any:
+        seen.append((name, tags(list(keys))))
+        return await orig_script(name, keys, args)
+
+    async def many(name: str, calls: Any) -> Any:
+        for keys, _ in calls:
+            seen.append((name, tags(list(keys))))
+        return await orig_many(name, calls)
+
+    monkeypatch.setattr(s, "_script", script)
+    monkeypatch.setattr(s, "_script_many", many)
+    p = period_id(1_700_000_000, 60)
+    await s.heartbeat("i", "m", 5, 4)
+    await s.resident_add("i", ResidentRequest(query_id="q", prompt_tokens=4))
+    await s.resident_progress("i", "q", 4, 1)
+    await s.residents_reconcile("i", ["q"])
+    await s.snapshots(["i", "j"], 0.0)
+    await s.reserve_slots("i", 4, ["q"])
+    await s.resident_done("i", "q")
+    await s.reserve_budget("t", p, 1.0, {"q": 0.1, "r": 0.2})
+    await s.release_budget("t", p, ["r"])
+    await s.settle("t", p, "q", 0.05)
+    await s.dedupe_many([(f"d{i}", "ab" * 32) for i in range(50)], 60)
+    await s.mark_routed_many({f"d{i}": "i" for i in range(50)})
+    names = {name for name, _ in seen}
+    assert names >= {"heartbeat", "resident_add", "resident_progress", "resident_done", "snapshot",
+                     "reserve_slots", "reserve_budget", "release_budget", "settle", "dedupe",
+                     "mark_routed", "residents_reconcile"}  # fmt: skip
+    bad = [(name, t) for name, t in seen if len(t) != 1]
+    assert not bad, f"script calls spanning several hash slots: {bad}"
