@@ -224,11 +224,21 @@ def solve_allocation(
 
 
 def uniform_allocation(p: AllocationProblem) -> IntArray:
-    """The fixed baseline: the GPU budget split evenly across local models."""
+    """The fixed baseline: instances dealt out evenly, one per local model in turn
+    (best mean score first), while the GPU budget lasts."""
     g = np.asarray(p.gpus_per_instance, dtype=np.int64)
     local = np.flatnonzero(g > 0)
     counts = np.zeros(p.m, dtype=np.int64)
-    if local.size:
-        share = p.gpu_budget / local.size
-        counts[local] = np.floor(share / g[local]).astype(np.int64)
-    return counts
+    if not local.size:
+        return counts
+    order = local[np.argsort(-np.asarray(p.scores).mean(axis=0)[local], kind="stable")]
+    left = int(p.gpu_budget)
+    while True:
+        placed = False
+        for j in order.tolist():
+            if g[j] <= left:
+                counts[j] += 1
+                left -= int(g[j])
+                placed = True
+        if not placed:
+            return counts
