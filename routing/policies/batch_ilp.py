@@ -64,7 +64,14 @@ class BatchIlpRouter:
         self._warm = WarmStart()
 
     def _solve(self, problem: BatchProblem, deadline: float | None) -> Solution:
-        sol = solve(problem, self.method, gap_tol=self.gap_tol, deadline=deadline, warm=self._warm)
+        sol = solve(
+            problem,
+            self.method,
+            gap_tol=self.gap_tol,
+            deadline=deadline,
+            with_dual=self.method in ("scip", "highs"),  # the fast path reports its μ anyway
+            warm=self._warm,
+        )
         if math.isfinite(sol.budget_dual):
             self._warm = WarmStart(mu=sol.budget_dual)
         return sol

@@ -360,3 +360,18 @@ def test_deadline_returns_a_feasible_flagged_window() -> None:
     assert sum(d.status == DecisionStatus.ROUTED for d in ds) == 24
     full = make_router("batch-ilp", context(), robust=False).decide(qs, vs, budget, now=0.0)
     assert sum(d.status == DecisionStatus.ROUTED for d in full) == 24
+
+
+@pytest.mark.parametrize("method", ["scip", "highs", "fast+scip"])
+def test_exact_methods_behind_the_batch_policy_report_the_budget_dual(method: str) -> None:
+    qs = queries([500] * 12)
+    vs = views([0, 0, 0, 0], [12, 12, 12, 12])
+    budget = Budget(window_usd=3 * (500 * 1e-5 + 200 * 2e-5))
+    ds = make_router("batch-ilp", context(), robust=False, method=method).decide(
+        qs, vs, budget, now=0.0
+    )
+    check_invariants(qs, vs, budget, ds, "batch-ilp")
+    fast = make_router("batch-ilp", context(), robust=False).decide(qs, vs, budget, now=0.0)
+    assert ds[0].window is not None and fast[0].window is not None
+    assert ds[0].window.objective >= fast[0].window.objective - 1e-9
+    assert ds[0].window.budget_dual > 0
