@@ -99,7 +99,10 @@ class QualityPredictor:
 
     @property
     def n_replicates(self) -> int:
-        return int(self.predict_replicates(np.zeros((1, self.featurizer.dim), np.float32)).shape[0])
+        if "n_replicates" in self.meta:
+            return int(self.meta["n_replicates"])
+        probe = np.zeros((1, self.featurizer.dim), np.float32)
+        return int(self.predict_replicates(probe).shape[0])
 
     def with_level(self, level: float) -> QualityPredictor:
         return QualityPredictor(
