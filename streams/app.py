@@ -167,6 +167,9 @@ def create_app(
         broker_max_poll_records=2000,
         stream_buffer_maxsize=max(4096, 4 * config.max_batch),
         web_enabled=False,
+        # a killed router's partitions move to the others after 10 s, not Faust's 60 s
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=3.0,
         consumer_auto_offset_reset=offset_reset,
         table_cleanup_interval=3600.0,
     )
@@ -183,24 +186,31 @@ def create_app(
             )
         service = await runtime.ensure_service()
         consumer = app.consumer
-        async for events in stream.take_events(config.max_batch, within=config.window_s):
-            items = [
-                Inbound(
-                    raw=e.value,
-                    topic=e.message.topic,
-                    partition=e.message.partition,
-                    offset=e.message.offset,
-                    timestamp_s=e.message.timestamp,
-                    handle=e,
-                )
-                for e in events
-            ]
-            _, unfinished = await service.handle(items)
-            for it in unfinished:  # keep their offsets uncommitted (take_events acks the rest)
-                it.handle.message.incref()
-            _record_lag(runtime.metrics, consumer, events)
-            while service.held_count > config.max_held:  # backpressure: stop reading for a while
-                await asyncio.sleep(config.window_s)
+        windows: asyncio.Queue[list[Inbound]] = asyncio.Queue(maxsize=1)
+        worker = asyncio.create_task(_process_windows(service, windows), name="route-windows")
+        try:
+            async for events in stream.take_events(config.max_batch, within=config.window_s):
+                items = [
+                    Inbound(
+                        raw=e.value,
+                        topic=e.message.topic,
+                        partition=e.message.partition,
+                        offset=e.message.offset,
+                        timestamp_s=e.message.timestamp,
+                        handle=e,
+                    )
+                    for e in events
+                ]
+                # one extra reference per event: take_events' own ack then leaves the offset
+                # uncommitted until the window is routed and produced (see _process_windows)
+                for e in events:
+                    e.message.incref()
+                await windows.put(items)  # at most one window waits: backpressure on reading
+                _record_lag(runtime.metrics, consumer, events)
+                while service.held_count > config.max_held:  # backpressure: stop reading a while
+                    await asyncio.sleep(config.window_s)
+        finally:
+            worker.cancel()
 
     @app.on_partitions_assigned.connect
     async def announce(sender: Any, assigned: Any = None, **_: Any) -> None:
@@ -217,6 +227,27 @@ def create_app(
             await runtime.service.retry_held()
 
     return runtime
+
+
+async def _process_windows(service: RouterService, windows: asyncio.Queue[list[Inbound]]) -> None:
+    """Route windows in arrival order while the agent already collects the next one.
+
+    Reading and routing overlap, so a window's routing time is not dead time for the
+    consumer. An input is acknowledged (its extra reference dropped) once its window has
+    been produced and acknowledged by Kafka; a held input stays referenced until the
+    service finishes it in a later window (``on_done``).
+    """
+    while True:
+        items = await windows.get()
+        try:
+            _, unfinished = await service.handle(items)
+        except Exception:  # never reached: handle() turns errors into retries or dead letters
+            log.exception("routing window failed; its inputs stay unacknowledged")
+            continue
+        pending = {id(it) for it in unfinished}
+        for it in items:
+            if id(it) not in pending:
+                it.handle.ack()
 
 
 def _record_lag(metrics: RouterMetrics, consumer: Any, events: list[Any]) -> None:
