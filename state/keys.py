@@ -12,6 +12,7 @@ key                                    type    holds
 ``sy:inst:{<instance>}:res``           hash    query id → "prompt,prefilled,decoded,predicted,
                                                arrived_at" (resident requests)
 ``sy:inst:{<instance>}:slots``         zset    query id → last touch (Redis time): capacity held
+``sy:inst:{<instance>}:gone``          zset    query id → when it was done (tombstones for resync)
 ``sy:budget:{<tenant>}:<period>``      hash    limit, reserved, spent (integer nano-USD)
 ``sy:budget:{<tenant>}:<period>:res``  hash    query id → reserved nano-USD
 ``sy:budget:{<tenant>}:<period>:set``  hash    query id → settled nano-USD (settle-once)
@@ -75,6 +76,9 @@ class Keys:
 
     def slots(self, instance_id: str) -> str:
         return self._inst(instance_id, "slots")
+
+    def gone(self, instance_id: str) -> str:
+        return self._inst(instance_id, "gone")
 
     # budget ledger: hash tag {tenant}
     def ledger(self, tenant: str, period_id: str) -> tuple[str, str, str]:

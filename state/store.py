@@ -50,7 +50,9 @@ SCRIPTS = (
     "dedupe",
     "mark_routed",
     "snapshot",
+    "residents_sync",
 )
+TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
 
 Verdict = Literal["new", "duplicate", "conflict"]
 
@@ -349,7 +351,12 @@ class StateStore:
         k = self.keys
         await self._script(
             "resident_add",
-            [k.heartbeat(instance_id), k.residents(instance_id), k.slots(instance_id)],
+            [
+                k.heartbeat(instance_id),
+                k.residents(instance_id),
+                k.slots(instance_id),
+                k.gone(instance_id),
+            ],
             [
                 r.query_id,
                 _encode_resident(r),
@@ -387,8 +394,17 @@ class StateStore:
         k = self.keys
         await self._script(
             "resident_done",
-            [k.heartbeat(instance_id), k.residents(instance_id), k.slots(instance_id)],
-            [k.check_query_id(query_id), repr(time.time() if now is None else now)],
+            [
+                k.heartbeat(instance_id),
+                k.residents(instance_id),
+                k.slots(instance_id),
+                k.gone(instance_id),
+            ],
+            [
+                k.check_query_id(query_id),
+                repr(time.time() if now is None else now),
+                repr(TOMBSTONE_KEEP_S),
+            ],
         )
 
     async def residents_reconcile(self, instance_id: str, keep_query_ids: Sequence[str]) -> int:
@@ -398,16 +414,32 @@ class StateStore:
             await self._script("residents_reconcile", [self.keys.residents(instance_id)], ids)
         )
 
-    async def residents_sync(self, instance_id: str, residents: Sequence[ResidentRequest]) -> None:
-        """Replace the instance's residents with the worker's own view (after Redis lost state)."""
+    async def residents_sync(
+        self,
+        instance_id: str,
+        residents: Sequence[ResidentRequest],
+        *,
+        view_at: float | None = None,
+    ) -> int:
+        """Make Redis hold the worker's own view of its residents (drift, Redis restarts).
+
+        ``view_at``: when the view was taken. Residents done since then are not re-added
+        (tombstones), and residents added since then (``arrived_at > view_at``) are not
+        removed, so a resync never undoes a concurrent add or done. None: replace outright.
+        Returns how many residents were dropped.
+        """
         k = self.keys
-        key = k.residents(instance_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
-        pipe.delete(key)
-        if residents:
-            pipe.hset(key, mapping={r.query_id: _encode_resident(r) for r in residents})
-            pipe.pexpire(key, int(RESIDENTS_KEEP_S * 1000))
-        await self._call("residents_sync", pipe.execute())
+        args: list[Any] = [
+            "1e300" if view_at is None else repr(view_at),
+            int(RESIDENTS_KEEP_S * 1000),
+        ]
+        for r in residents:
+            args += [r.query_id, _encode_resident(r)]
+        return int(
+            await self._script(
+                "residents_sync", [k.residents(instance_id), k.gone(instance_id)], args
+            )
+        )
 
     async def residents(self, instance_id: str) -> list[ResidentRequest]:
         """The instance's residents in arrival order (also for tests and the CLI)."""
@@ -679,6 +711,60 @@ class StateStore:
             ),
         )
         return bool(ok)
+
+    async def finish(
+        self,
+        instance_id: str,
+        query_id: str,
+        *,
+        result_ttl_s: float,
+        cost_usd: float,
+        tenant: str | None = None,
+        period_id: str | None = None,
+    ) -> tuple[bool, bool]:
+        """A worker's three closing writes in one round trip, in this order: ``mark_result``
+        (with the cost), ``settle`` (when ``tenant`` and ``period_id`` are given) and
+        ``resident_done``. Each is idempotent on its own; returns (first result, settled now).
+        """
+        k = self.keys
+        cost_nano = usd_to_nano(cost_usd, f"query {query_id}: cost_usd")
+        ttl_ms = _seconds_ms(result_ttl_s, "result ttl_s")
+        now = repr(time.time())
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        if tenant is not None and period_id is not None:
+            calls.append(
+                (
+                    "settle",
+                    list(k.ledger(tenant, period_id)),
+                    [query_id, cost_nano, self._ledger_expire_at(period_id)],
+                )
+            )
+        calls.append(
+            (
+                "resident_done",
+                [
+                    k.heartbeat(instance_id),
+                    k.residents(instance_id),
+                    k.slots(instance_id),
+                    k.gone(instance_id),
+                ],
+                [query_id, now, repr(TOMBSTONE_KEEP_S)],
+            )
+        )
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        pipe.set(k.result(query_id), str(cost_nano), nx=True, px=ttl_ms)
+        for name, keys, args in calls:
+            pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+        replies = await self._call("finish", pipe.execute(raise_on_error=False))
+        for n, (name, keys, args) in enumerate(calls, start=1):
+            if isinstance(replies[n], NoScriptError):  # Redis restarted: load and run just this one
+                replies[n] = await self._script(name, keys, args)
+            elif isinstance(replies[n], Exception):
+                raise replies[n]
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        settled = bool(replies[1]) if len(calls) == 2 else False
+        return bool(replies[0]), settled
 
     async def result_mark(self, query_id: str) -> ResultMark | None:
         """The published-result mark of a query (None: no result published yet)."""

@@ -142,9 +142,7 @@ class Worker:
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._residents: dict[str, ResidentRequest] = {}
-        # resident add/done and the periodic resync are serialised, so a resync built from an
-        # older view can never re-add a resident that is already done
-        self._resident_lock = asyncio.Lock()
+        self._last_stamp = 0.0  # residents' stamps, for resyncs that never undo an add or done
         self._running = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._tasks_bg: set[asyncio.Task[None]] = set()
@@ -333,23 +331,20 @@ class Worker:
                 or 128
             ),
         )
+        if q.id in self._residents:  # a second copy while the first still runs here
+            await self._skip_duplicate(q.id)
+            return
+        # stamped and registered in one step (no await between): a resync's view either has
+        # this resident or was taken before its stamp (see StateStore.residents_sync)
         resident = ResidentRequest(
             query_id=q.id,
             prompt_tokens=prompt_tokens,
             predicted_output_tokens=predicted,
-            arrived_at=received,
+            arrived_at=self._stamp(),
         )
+        self._residents[q.id] = resident
         writer = _ProgressWriter(self, q.id)
-        async with self._resident_lock:
-            if q.id in self._residents:  # a second copy while the first still runs here
-                duplicate = True
-            else:
-                duplicate = False
-                self._residents[q.id] = resident
-                await self._best_effort(self.state.resident_add(self.instance_id, resident))
-        if duplicate:
-            await self._skip_duplicate(q.id)
-            return
+        await self._best_effort(self.state.resident_add(self.instance_id, resident))
         attempt = 1
         try:
             self.metrics.queued.inc()
@@ -379,33 +374,67 @@ class Worker:
             await writer.wait()
             result = self._result(rq, gen, received, attempt)
             await self._publish(topics.RESULTS, q.id, _result_bytes(result))
-            # mark at once: a crash from here on re-delivers a query that is then skipped
-            first = await self._best_effort(
-                self.state.mark_result(q.id, self.config.result_ttl_s, cost_usd=result.cost_usd),
-                default=True,
-            )
-            if not first:
+            self._residents.pop(q.id, None)
+            # mark published (with its cost), settle, free the slot: one round trip, at once —
+            # a crash from here on re-delivers a query that is then skipped
+            if not await self._finish(rq, result.cost_usd):
                 self.metrics.duplicate_results.inc()
                 self.counts["duplicate_results"] += 1
             self._observe(result, gen)
-            await self._settle(rq, result.cost_usd)
-            await self._resident_done(q.id)
             if self.config.report_timings:
                 self._report_request(q.id, gen, running_before)
         finally:
-            if q.id in self._residents:  # failed before done (cancelled at shutdown, fatal error)
-                async with self._resident_lock:
-                    self._residents.pop(q.id, None)
+            self._residents.pop(q.id, None)  # also when cancelled at shutdown or failed
 
     async def _skip_duplicate(self, qid: str) -> None:
         self.metrics.duplicates_skipped.inc()
         self.counts["duplicates_skipped"] += 1
         log.info("worker %s: query %s skipped: already running or answered", self.instance_id, qid)
 
-    async def _resident_done(self, qid: str) -> None:
-        async with self._resident_lock:
-            self._residents.pop(qid, None)
-            await self._best_effort(self.state.resident_done(self.instance_id, qid))
+    def _stamp(self) -> float:
+        """Wall-clock time, never going backwards within this worker."""
+        self._last_stamp = max(time.time(), self._last_stamp + 1e-6)
+        return self._last_stamp
+
+    def _ledger_of(self, rq: RoutedQuery) -> tuple[str, str] | None:
+        """(tenant, ledger period) the router reserved this query's cost in, if any."""
+        if rq.decision.budget_period is not None:
+            return rq.query.tenant, rq.decision.budget_period
+        budget = next((t for t in self.cluster.tenants if t.tenant == rq.query.tenant), None)
+        if budget is None:
+            return None  # no ledger for this tenant
+        return rq.query.tenant, period_id(rq.decision.decided_at, budget.period_s)
+
+    async def _finish(self, rq: RoutedQuery, cost_usd: float) -> bool:
+        """``StateStore.finish`` with retries; True unless the result had been marked before."""
+        ledger = self._ledger_of(rq)
+        uncertain = False  # a failed attempt may have set the mark before the reply was lost
+        for attempt in range(3):
+            try:
+                first, _ = await self.state.finish(
+                    self.instance_id,
+                    rq.query.id,
+                    result_ttl_s=self.config.result_ttl_s,
+                    cost_usd=cost_usd,
+                    tenant=ledger[0] if ledger else None,
+                    period_id=ledger[1] if ledger else None,
+                )
+                return first or uncertain
+            except StateUnavailable as exc:
+                uncertain = True
+                self.metrics.error("state")
+                if attempt == 2:
+                    # unsettled: the reservation stays booked (conservative, never an overspend);
+                    # the resync removes the resident, the slot lease reclaims the slot
+                    log.error(
+                        "worker %s: could not finish %s in Redis: %s",
+                        self.instance_id,
+                        rq.query.id,
+                        exc,
+                    )
+                    return True
+                await asyncio.sleep(0.2 * 2**attempt)
+        return True
 
     async def _generate(
         self, rq: RoutedQuery, prompt_tokens: int, predicted: int, writer: _ProgressWriter
@@ -500,25 +529,9 @@ class Worker:
         self.metrics.e2e.observe(max(0.0, gen.finished_at - gen.sent_at))
 
     async def _settle(self, rq: RoutedQuery, cost_usd: float) -> None:
-        period = rq.decision.budget_period
-        if period is None:
-            budget = next((t for t in self.cluster.tenants if t.tenant == rq.query.tenant), None)
-            if budget is None:
-                return  # no ledger for this tenant
-            period = period_id(rq.decision.decided_at, budget.period_s)
-        for attempt in range(3):
-            try:
-                await self.state.settle(rq.query.tenant, period, rq.query.id, cost_usd)
-                return
-            except StateUnavailable as exc:
-                if attempt == 2:
-                    # the reservation stays booked: conservative, never an overspend
-                    log.error(
-                        "worker %s: could not settle %s: %s", self.instance_id, rq.query.id, exc
-                    )
-                    self.metrics.error("state")
-                    return
-                await asyncio.sleep(0.2 * 2**attempt)
+        ledger = self._ledger_of(rq)
+        if ledger is not None:
+            await self._best_effort(self.state.settle(ledger[0], ledger[1], rq.query.id, cost_usd))
 
     # ------------------------------------------------------------------ Kafka output
 
@@ -638,9 +651,11 @@ class Worker:
         )
         if resync:
             # the worker's own view is the truth: repairs drift and rebuilds after Redis lost state
-            async with self._resident_lock:
-                view = list(self._residents.values())
-                await self._best_effort(self.state.residents_sync(self.instance_id, view))
+            view_at = self._stamp()
+            view = list(self._residents.values())
+            await self._best_effort(
+                self.state.residents_sync(self.instance_id, view, view_at=view_at)
+            )
 
     async def _best_effort(self, aw: Awaitable[T], default: Any = None) -> Any:
         try:

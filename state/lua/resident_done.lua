@@ -1,6 +1,11 @@
--- A request left the instance: drop the resident and free its capacity slot. Idempotent.
--- KEYS[1] heartbeat hash  KEYS[2] residents hash  KEYS[3] slots zset
--- ARGV[1] query id  ARGV[2] at
+-- A request left the instance: drop the resident, free its capacity slot, and leave a
+-- tombstone so a resync built from an older view cannot re-add it. Idempotent.
+-- KEYS[1] heartbeat hash  KEYS[2] residents hash  KEYS[3] slots zset  KEYS[4] gone zset
+-- ARGV[1] query id  ARGV[2] at (unix s)  ARGV[3] tombstone keep seconds
 local removed = redis.call('HDEL', KEYS[2], ARGV[1]) + redis.call('ZREM', KEYS[3], ARGV[1])
+local at = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[4], at, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. (at - tonumber(ARGV[3])))
+redis.call('PEXPIRE', KEYS[4], math.floor(tonumber(ARGV[3]) * 1000))
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'at', ARGV[2]) end
 return removed

@@ -381,3 +381,56 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
                      "mark_routed", "residents_reconcile"}  # fmt: skip
     bad = [(name, t) for name, t in seen if len(t) != 1]
     assert not bad, f"script calls spanning several hash slots: {bad}"
+
+
+async def test_resync_never_undoes_a_concurrent_add_or_done(stores: list[StateStore]) -> None:
+    s = stores[0]
+    await s.heartbeat("w", "m", ttl_s=30, max_concurrency=4)
+    old = ResidentRequest(query_id="old", prompt_tokens=5, arrived_at=10.0)  # lost by the worker
+    kept = ResidentRequest(query_id="kept", prompt_tokens=5, arrived_at=11.0)
+    done = ResidentRequest(query_id="done", prompt_tokens=5, arrived_at=12.0)
+    for r in (old, kept, done):
+        await s.resident_add("w", r)
+    view, view_at = [kept, done], 20.0  # the worker's view, taken at t=20
+    await s.resident_done("w", "done")  # finished after the view was taken
+    late = ResidentRequest(query_id="late", prompt_tokens=5, arrived_at=21.0)
+    await s.resident_add("w", late)  # arrived after the view was taken
+    dropped = await stores[1].residents_sync("w", view, view_at=view_at)
+    assert dropped == 1  # only "old": not in the view and older than it
+    assert [r.query_id for r in await s.residents("w")] == ["kept", "late"]
+    # a re-delivered query that was done before is resident again once re-added
+    await s.resident_add("w", ResidentRequest(query_id="done", prompt_tokens=5, arrived_at=22.0))
+    await s.residents_sync(
+        "w",
+        [kept, late, ResidentRequest(query_id="done", prompt_tokens=5, arrived_at=22.0)],
+        view_at=23.0,
+    )
+    assert [r.query_id for r in await s.residents("w")] == ["kept", "late", "done"]
+
+
+async def test_finish_marks_settles_and_frees_in_one_call(stores: list[StateStore]) -> None:
+    s = stores[0]
+    p = period_id(1_700_000_000, 3600)
+    await s.reserve_budget("t9", p, 1.0, {"f1": 0.5})
+    await s.reserve_slots("w9", 2, ["f1"])
+    await s.resident_add("w9", ResidentRequest(query_id="f1", prompt_tokens=3))
+    assert await s.finish("w9", "f1", result_ttl_s=60, cost_usd=0.2, tenant="t9", period_id=p) == (
+        True,
+        True,
+    )
+    assert await s.finish("w9", "f1", result_ttl_s=60, cost_usd=0.2, tenant="t9", period_id=p) == (
+        False,
+        False,
+    )
+    st = await s.budget_status("t9", p)
+    assert (st.reserved_usd, st.spent_usd) == (0.0, pytest.approx(0.2))
+    assert await s.slots_held("w9") == [] and await s.residents("w9") == []
+    mark = await s.result_mark("f1")
+    assert mark is not None and mark.cost_usd == pytest.approx(0.2)
+    # after a Redis script flush (e.g. a restart) the scripts are reloaded on the fly
+    await s._r.script_flush()
+    assert await s.finish("w9", "f2", result_ttl_s=60, cost_usd=0.1, tenant="t9", period_id=p) == (
+        True,
+        True,
+    )
+    assert (await s.snapshots(["w9"], 0.0))["w9"].slots_used == 0
