@@ -374,7 +374,7 @@ class Worker:
             await writer.wait()
             result = self._result(rq, gen, received, attempt)
             await self._publish(topics.RESULTS, q.id, _result_bytes(result))
-            self._residents.pop(q.id, None)
+            # (it stays in _residents until finished, so a copy arriving now is skipped here)
             # mark published (with its cost), settle, free the slot: one round trip, at once —
             # a crash from here on re-delivers a query that is then skipped
             if not await self._finish(rq, result.cost_usd):
