@@ -88,6 +88,41 @@ class BatchSink:
         return await self.producer.send(topic, value, key=key)
 
 
+class OrderedAcker:
+    """Acknowledges inputs to Faust in offset order per partition, never past an unfinished one.
+
+    A held query finishes after later offsets of its partition. Faust commits the highest
+    contiguous acknowledged offset, but its check for a gap at the *head* of the range
+    lets a single missing offset right after the last commit slip (and skips the check
+    before a new group's first commit). Acknowledging only contiguous runs from the head
+    keeps the committed offset behind every unfinished query whatever Faust's bookkeeping.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[Any, dict[int, Inbound]] = {}  # tp -> offset -> input, offset order
+        self._done: dict[Any, set[int]] = {}
+
+    def opened(self, items: list[Inbound]) -> None:
+        for it in items:
+            tp = it.handle.message.tp
+            self._open.setdefault(tp, {})[it.offset] = it
+
+    def finished(self, it: Inbound) -> None:
+        tp = it.handle.message.tp
+        opened = self._open.get(tp)
+        if opened is None or it.offset not in opened:
+            it.handle.ack()  # not tracked (e.g. partition reassigned): just release it
+            return
+        done = self._done.setdefault(tp, set())
+        done.add(it.offset)
+        while opened:
+            first = next(iter(opened))
+            if first not in done:
+                break
+            done.discard(first)
+            opened.pop(first).handle.ack()  # drops the extra reference: may commit now
+
+
 @dataclass
 class RouterApp:
     """The Faust app plus what its agent needs, built once per process."""
@@ -99,6 +134,7 @@ class RouterApp:
     config: RouterConfig
     metrics: RouterMetrics
     service: RouterService | None = None
+    acker: OrderedAcker = field(default_factory=OrderedAcker)
     _starting: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def ensure_service(self) -> RouterService:
@@ -125,15 +161,10 @@ class RouterApp:
                     BatchSink(producer),
                     self.config,
                     self.metrics,
-                    on_done=_ack,
+                    on_done=self.acker.finished,
                     period_id=period_id,
                 )
             return self.service
-
-
-def _ack(inbound: Inbound) -> None:
-    """A held query is finished: drop the extra reference so its offset can commit."""
-    inbound.handle.ack()
 
 
 def create_app(
@@ -187,7 +218,9 @@ def create_app(
         service = await runtime.ensure_service()
         consumer = app.consumer
         windows: asyncio.Queue[list[Inbound]] = asyncio.Queue(maxsize=1)
-        worker = asyncio.create_task(_process_windows(service, windows), name="route-windows")
+        worker = asyncio.create_task(
+            _process_windows(service, windows, runtime.acker), name="route-windows"
+        )
         try:
             async for events in stream.take_events(config.max_batch, within=config.window_s):
                 items = [
@@ -205,6 +238,7 @@ def create_app(
                 # uncommitted until the window is routed and produced (see _process_windows)
                 for e in events:
                     e.message.incref()
+                runtime.acker.opened(items)
                 await windows.put(items)  # at most one window waits: backpressure on reading
                 _record_lag(runtime.metrics, consumer, events)
                 while service.held_count > config.max_held:  # backpressure: stop reading a while
@@ -229,7 +263,9 @@ def create_app(
     return runtime
 
 
-async def _process_windows(service: RouterService, windows: asyncio.Queue[list[Inbound]]) -> None:
+async def _process_windows(
+    service: RouterService, windows: asyncio.Queue[list[Inbound]], acker: OrderedAcker
+) -> None:
     """Route windows in arrival order while the agent already collects the next one.
 
     Reading and routing overlap, so a window's routing time is not dead time for the
@@ -247,7 +283,7 @@ async def _process_windows(service: RouterService, windows: asyncio.Queue[list[I
         pending = {id(it) for it in unfinished}
         for it in items:
             if id(it) not in pending:
-                it.handle.ack()
+                acker.finished(it)
 
 
 def _record_lag(metrics: RouterMetrics, consumer: Any, events: list[Any]) -> None:
