@@ -505,6 +505,21 @@ def solve_fast(
         x = np.full(n, DEFERRED, dtype=np.int64)
         obj = p.objective(x)
         return Solution(x, obj, obj, 0.0, 0.0, "fast")
+    if n == 1:  # one query (per-arrival routing): the best affordable column, exactly
+        limit = p.budget_usd
+        if (
+            p.has_groups
+            and p.group is not None
+            and p.group_budget_usd is not None
+            and p.group[0] >= 0
+        ):
+            limit = min(limit, float(p.group_budget_usd[p.group[0]]))
+        ok = p.mask[0] & (p.c[0] <= limit)
+        x = np.full(1, DEFERRED, dtype=np.int64)
+        if ok.any():
+            x[0] = int(np.where(ok, p.a[0], _NEG).argmax())
+        obj = p.objective(x)
+        return Solution(x, obj, obj, 0.0, p.spend(x), "fast")
     a_feas = p.a[p.mask]
     spread = max(float(a_feas.max() - a_feas.min()), 1e-6 * max(1.0, float(np.abs(a_feas).max())))
     c_feas = p.c[p.mask]

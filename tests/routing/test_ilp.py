@@ -14,7 +14,7 @@ from routing.ilp import DEFERRED, BatchProblem, dual_bound, solve, solve_fast
 from routing.ilp.exact import lp_budget_dual
 from routing.ilp.fast import _auction
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -81,7 +81,7 @@ def test_exact_solvers_match_brute_force_with_tenant_rows(p: BatchProblem) -> No
     assert fast.bound >= opt - 1e-7 * max(1.0, abs(opt))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.integers(20, 120), st.integers(2, 8), st.integers(0, 10_000))
 def test_fast_objective_within_its_gap_of_scip(n: int, k: int, seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -125,7 +125,7 @@ def check_invariants(
 
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prompts=st.lists(st.integers(1, 4000), min_size=0, max_size=12),
     residents=st.lists(st.integers(0, 8), min_size=4, max_size=4),
@@ -145,7 +145,7 @@ def test_every_router_decides_each_query_once_within_budget_and_slots(
     check_invariants(qs, vs, budget, ds, name)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prompts=st.lists(st.integers(1, 6000), min_size=1, max_size=16),
     residents=st.lists(st.integers(0, 20), min_size=4, max_size=4),
