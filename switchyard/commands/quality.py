@@ -28,6 +28,22 @@ def _fractions(text: str) -> list[float]:
     return out
 
 
+def limit_blas_threads(n: int) -> None:
+    """Cap numpy's OpenBLAS threads (they busy-wait: on a loaded machine the small
+    matrices of training run several times slower with them). No-op when absent."""
+    import ctypes
+    import glob
+
+    import numpy as np
+
+    for lib in glob.glob(
+        str(Path(np.__file__).parent.parent / "numpy.libs" / "libscipy_openblas*.so")
+    ):
+        put = getattr(ctypes.CDLL(lib), "scipy_openblas_set_num_threads64_", None)
+        if put is not None:
+            put(int(n))
+
+
 def _fail(msg: str) -> typer.Exit:
     typer.echo(f"error: {msg}", err=True)
     return typer.Exit(2)
@@ -58,6 +74,9 @@ def register(app: typer.Typer) -> None:
             help="Queries held out from training (for eval-quality); 0 = train on all",
         ),
         seed: int = typer.Option(0, "--seed"),
+        blas_threads: int = typer.Option(
+            1, "--blas-threads", min=0, help="OpenBLAS threads while training (0: leave as is)"
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
     ) -> None:
         """Train a quality predictor (bootstrap ensemble + conformal lower bound + length model)."""
@@ -70,6 +89,8 @@ def register(app: typer.Typer) -> None:
             raise _fail(f"--level must be in (0, 1), got {level}")
         if not 0.0 <= test_fraction < 1.0:
             raise _fail(f"--test-fraction must be in [0, 1), got {test_fraction}")
+        if blas_threads:
+            limit_blas_threads(blas_threads)
         t0 = time.perf_counter()
         try:
             rd = load_routing_data(data, format, models_csv)
