@@ -128,6 +128,8 @@ class GBDTEstimator:
             raise RuntimeError("GBDTEstimator: fit() before predict")
         X = np.ascontiguousarray(X, dtype=np.float32)
         n, m = len(X), self.n_models
+        if n == 0:
+            return np.zeros((self.values.shape[0], 0, m), dtype=np.float32)
         leaf = self._leaves(self._stack(X, m))  # [R, T]
         T = leaf.shape[1]
         flat = (leaf + (np.arange(T) * self.max_leaves)[None, :]).ravel()

@@ -180,6 +180,12 @@ def test_artefact_round_trip_gives_identical_predictions(
     )
 
 
+@pytest.mark.parametrize("name", ["knn", "gbdt", "irt"])
+def test_empty_window_gives_empty_estimate(name: str, trained: dict[str, QualityPredictor]) -> None:
+    est = trained[name].predict([])
+    assert est.mean.shape == est.lower.shape == (0, len(MODELS))
+
+
 def test_artefact_version_and_format_are_checked(
     tmp_path: Path, trained: dict[str, QualityPredictor]
 ) -> None:
