@@ -611,7 +611,7 @@ def cached_predictor() -> tuple[Path | None, str]:
     tmp = path.with_suffix(".tmp.npz")
     cmd = [
         PYTHON, "-m", "switchyard.cli", "train", "--data", str(DEMO_DATA), "--format", "long",
-        "--estimator", "knn", "--replicates", "4", "--test-fraction", "0", "--out", str(tmp),
+        "--estimator", "knn", "--replicates", "2", "--test-fraction", "0", "--out", str(tmp),
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
