@@ -375,3 +375,13 @@ def test_exact_methods_behind_the_batch_policy_report_the_budget_dual(method: st
     assert ds[0].window is not None and fast[0].window is not None
     assert ds[0].window.objective >= fast[0].window.objective - 1e-9
     assert ds[0].window.budget_dual > 0
+
+
+def test_instance_of_an_unknown_model_is_never_used() -> None:
+    vs = views([0, 0, 0, 0], [4, 4, 4, 4])
+    vs.append(InstanceView("x0", "mystery", state(0), free_slots=10))
+    qs = queries([100] * 6)
+    for name in sorted(ROUTERS):
+        ds = make_router(name, context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+        assert all(d.instance_id != "x0" for d in ds), name
+        assert all(d.status == DecisionStatus.ROUTED for d in ds), name
