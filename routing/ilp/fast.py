@@ -491,7 +491,7 @@ def solve_fast(
     gap_tol: float = 1e-3,
     deadline: float | None = None,
     warm: WarmStart | None = None,
-    taus: tuple[float, ...] = (0.02, 0.005, 0.00125, 0.0003),
+    taus: tuple[float, ...] = (0.005, 0.001, 0.0002, 0.00005),
     max_iter: int = 40,
 ) -> Solution:
     """Feasible assignment with a certified gap; stops at ``gap_tol`` or ``deadline``.
