@@ -152,7 +152,7 @@ async def phase(
     sent_at: dict[bytes, float] = {}
     prod = asyncio.create_task(produce(bootstrap, ids, rate, sent_at))
     routed_at, added = await discard(
-        consumer, store, n, 60.0 + (n / rate if rate else n / 2000.0), sent_at
+        consumer, store, n, 120.0 + (n / rate if rate else n / 100.0), sent_at
     )
     produce_s = await prod
     ts = sorted(routed_at)
@@ -314,8 +314,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     store = await StateStore.connect(redis_url, namespace=ns)
     stop = asyncio.Event()
     hb = asyncio.create_task(heartbeat_loop(store, spec, stop))
-    n_through = args.queries or (20_000 if args.quick else 100_000)
-    n_latency = 4_000 if args.quick else 20_000
+    n_through = args.queries or (10_000 if args.quick else 100_000)
+    n_latency = 3_000 if args.quick else 20_000
     out: dict[str, object] = {}
     try:
         routers = []
