@@ -133,10 +133,24 @@ POLICIES = st.sampled_from(
 def test_ttft_never_decreases_when_work_is_queued_ahead(rs, prompt, extra, sched) -> None:  # type: ignore[no-untyped-def]
     s = build(rs)
     base = standalone_ttft_ms(s, np.array([prompt]), M, sched)[0]
+    # a request queued ahead (after the residents, before the candidate): exact
     more = build([*rs, (extra, "waiting", 50, 0.0)])
     assert standalone_ttft_ms(more, np.array([prompt]), M, sched)[0] >= base - 1e-9
+    # a longer prompt of the candidate itself: exact
+    assert standalone_ttft_ms(s, np.array([prompt + extra]), M, sched)[0] >= base - 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(residents, st.integers(1, 4000), st.integers(1, 3000), POLICIES)
+def test_ttft_barely_moves_down_when_a_decoding_resident_is_added(rs, prompt, extra, sched) -> None:  # type: ignore[no-untyped-def]
+    """An extra decode takes a token of every step's budget, so an earlier request's prefill
+    can end in the candidate's own last step instead of a step before it; that request then
+    no longer decodes ahead of the candidate, which can *save* a little time (vLLM V1 does
+    the same). The saving is bounded by that request's decode work: well under 2%."""
+    s = build(rs)
+    base = standalone_ttft_ms(s, np.array([prompt]), M, sched)[0]
     dec = build([*rs, (extra, "decoding", 300, 0.1)])
-    assert standalone_ttft_ms(dec, np.array([prompt]), M, sched)[0] >= base - 1e-9
+    assert standalone_ttft_ms(dec, np.array([prompt]), M, sched)[0] >= 0.98 * base
 
 
 @settings(max_examples=60, deadline=None)
