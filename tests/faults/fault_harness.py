@@ -222,6 +222,13 @@ class OwnedServices:
         return time.monotonic() - t0
 
     def down(self) -> None:
+        # its data is thrown away: no controlled shutdown needed (saves seconds per module)
+        if self.kafka is not None and self.kafka.alive():
+            os.kill(self.kafka.pid, signal.SIGKILL)
+            with contextlib.suppress(HarnessError):
+                wait_until(
+                    lambda: _reaped(self.kafka.pid) or not self.kafka.alive(), 30, "Kafka to exit"
+                )  # type: ignore[union-attr]
         services.down(self.home)
         for child in self._extra:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -323,7 +330,7 @@ class Procs:
     def stop_all(self) -> None:
         for proc in reversed(self.started):
             with contextlib.suppress(Exception):
-                proc.stop(grace_s=10.0)
+                proc.stop(grace_s=5.0)
 
     def all_text(self) -> str:
         return "\n".join(p.text() for p in self.started)
