@@ -76,7 +76,9 @@ def solve_with_ttft_cuts(
         x = sol.assignment
         for k in np.unique(x[x >= 0]).tolist():
             rows = np.flatnonzero(x == k)
-            t = in_order_ms(k, rows)
+            # one new query on a column: its in-order TTFT is its stand-alone TTFT
+            # (SFS appends it after the residents either way), so skip a simulation
+            t = standalone_ms[rows, k] if rows.size == 1 else in_order_ms(k, rows)
             ttft[rows] = t
             if not checked_columns[k]:
                 continue
