@@ -1,6 +1,6 @@
 """Print the fault suite's measured figures as Markdown (for docs/reliability.md).
 
-    python tests/faults/report.py [FIGURES.json]
+    python tests/faults/faults_report.py [FIGURES.json]
 
 FIGURES.json defaults to ``$SWITCHYARD_FAULTS_FIGURES``, else
 ``$SWITCHYARD_HOME/faults-figures.json`` (``make test`` writes
