@@ -101,14 +101,42 @@ class OrderedAcker:
     def __init__(self) -> None:
         self._open: dict[Any, dict[int, Inbound]] = {}  # tp -> offset -> input, offset order
         self._done: dict[Any, set[int]] = {}
+        self._abandoned: set[Any] = set()
 
     def opened(self, items: list[Inbound]) -> None:
         for it in items:
             tp = it.handle.message.tp
+            self._abandoned.discard(tp)
             self._open.setdefault(tp, {})[it.offset] = it
+
+    def keep(self, it: Inbound) -> bool:
+        """False for an input of a partition given up (rebalance or shutdown)."""
+        return it.handle.message.tp not in self._abandoned
+
+    def abandon_all(self) -> int:
+        """Give up every unfinished input without committing it (Kafka re-delivers it).
+
+        Faust waits, on rebalance and on shutdown, until every message it handed out is
+        acknowledged; a held query could keep it waiting for ``max_hold_s``. Marking the
+        messages done *without* the consumer's ack keeps their offsets out of the commit,
+        so whoever owns the partition next reads them again (dedupe drops those already
+        routed).
+        """
+        n = 0
+        for tp, opened in self._open.items():
+            for it in opened.values():
+                _abandon(it)
+                n += 1
+            opened.clear()
+            self._done.pop(tp, None)
+            self._abandoned.add(tp)
+        return n
 
     def finished(self, it: Inbound) -> None:
         tp = it.handle.message.tp
+        if tp in self._abandoned:
+            _abandon(it)
+            return
         opened = self._open.get(tp)
         if opened is None or it.offset not in opened:
             it.handle.ack()  # not tracked (e.g. partition reassigned): just release it
@@ -121,6 +149,28 @@ class OrderedAcker:
                 break
             done.discard(first)
             opened.pop(first).handle.ack()  # drops the extra reference: may commit now
+
+
+def _abandon(it: Inbound) -> None:
+    it.handle.message.acked = True  # done for Faust's bookkeeping, but never committed
+
+
+class _RouterFaustApp(faust.App):
+    """``faust.App`` that gives up held queries before Faust waits for every ack."""
+
+    router_runtime: RouterApp | None = None
+
+    async def _consumer_wait_empty(self, consumer: Any, logger: Any) -> None:
+        runtime = self.router_runtime
+        if runtime is not None:
+            if runtime.service is not None:
+                runtime.service.drop_held()
+            n = runtime.acker.abandon_all()
+            if n:
+                log.warning(
+                    "gave up %d unfinished queries for re-delivery (rebalance or shutdown)", n
+                )
+        await super()._consumer_wait_empty(consumer, logger)
 
 
 @dataclass
@@ -162,6 +212,7 @@ class RouterApp:
                     self.config,
                     self.metrics,
                     on_done=self.acker.finished,
+                    keep=self.acker.keep,
                     period_id=period_id,
                 )
             return self.service
@@ -180,7 +231,7 @@ def create_app(
     offset_reset: str = "earliest",
 ) -> RouterApp:
     """Build the Faust app; ``faust.Worker(app).execute_from_commandline()`` runs it."""
-    app = faust.App(
+    app = _RouterFaustApp(
         app_id,
         broker=settings.faust_broker(),
         broker_credentials=settings.faust_credentials(),
@@ -205,6 +256,7 @@ def create_app(
         table_cleanup_interval=3600.0,
     )
     runtime = RouterApp(app, cluster, router, settings, config, metrics or RouterMetrics())
+    app.router_runtime = runtime
     queries = app.topic(topics.QUERIES, value_type=bytes, key_type=bytes, partitions=partitions)
 
     @app.agent(queries, name="route", concurrency=1)
@@ -222,7 +274,8 @@ def create_app(
             _process_windows(service, windows, runtime.acker), name="route-windows"
         )
         try:
-            async for events in stream.take_events(config.max_batch, within=config.window_s):
+            windowed = stream.take_events(config.max_batch, within=config.window_s)  # type: ignore[attr-defined]
+            async for events in windowed:
                 items = [
                     Inbound(
                         raw=e.value,
@@ -246,7 +299,7 @@ def create_app(
         finally:
             worker.cancel()
 
-    @app.on_partitions_assigned.connect
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def announce(sender: Any, assigned: Any = None, **_: Any) -> None:
         parts = sorted(tp.partition for tp in assigned or () if tp.topic == topics.QUERIES)
         print(

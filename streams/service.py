@@ -128,6 +128,7 @@ class RouterService:
         metrics: RouterMetrics | None = None,
         on_done: Callable[[Inbound], None] | None = None,
         period_id: Callable[[float, float], str] | None = None,
+        keep: Callable[[Inbound], bool] | None = None,
     ) -> None:
         self.cluster = cluster
         self.router = router
@@ -136,6 +137,7 @@ class RouterService:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self._on_done = on_done or (lambda _inbound: None)
+        self._keep = keep or (lambda _inbound: True)
         self._period_id = period_id or _default_period_id
         self._budgets = {t.tenant: t for t in cluster.tenants}
         self._instance_ids = [i.id for i in cluster.instances]
@@ -160,6 +162,13 @@ class RouterService:
         async with self._lock:
             return await self._window(list(items))
 
+    def drop_held(self) -> int:
+        """Forget held and retried queries (their partition is being given up); returns how many."""
+        n = len(self._held) + len(self._retry)
+        self._held, self._retry = [], []
+        self.metrics.held.set(0)
+        return n
+
     async def retry_held(self) -> WindowOutcome | None:
         """Run a window for held queries only (called on a timer when traffic stops)."""
         if not self._held and not self._retry:
@@ -174,8 +183,9 @@ class RouterService:
 
     async def _window(self, items: list[Inbound]) -> tuple[WindowOutcome, list[Inbound]]:
         t_start = time.perf_counter()
-        retry, self._retry = self._retry, []
-        held, self._held = self._held, []
+        retry = [it for it in self._retry if self._keep(it)]
+        held = [p for p in self._held if self._keep(p.inbound)]
+        self._retry, self._held = [], []
         batch_items = retry + items
         outcome = WindowOutcome()
         try:
@@ -393,20 +403,21 @@ class RouterService:
                     tw = tenant_windows.get(p.query.tenant)
                     if tw is not None:
                         released.setdefault((p.query.tenant, tw.period_id), []).append(p.query.id)
-        for (tenant, pid), qids in released.items():
-            await self.state.release_budget(tenant, pid, qids)
+        for (tenant, period), qids in released.items():
+            await self.state.release_budget(tenant, period, qids)
 
         for p, d in zip(candidates, decisions, strict=True):
             q = p.query
             pid = period_ids.get(q.tenant)
             if d.status in _PLACED and d.instance_id and q.id not in lost:
+                instance_id = d.instance_id
                 d = d.model_copy(update={"budget_period": pid, "decided_at": now})
                 dec_json = d.model_dump_json(exclude_none=True).encode()
                 routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
                 key = q.id.encode()
-                outs.append((topics.route(d.instance_id), key, routed))
+                outs.append((topics.route(instance_id), key, routed))
                 outs.append((topics.DECISIONS, key, dec_json))
-                routed_marks[q.id] = d.instance_id
+                routed_marks[q.id] = instance_id
                 latencies.append(p.inbound)
                 outcome.routed += 1
                 self._count_routed(d, q)

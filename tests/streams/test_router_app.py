@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -309,6 +310,81 @@ async def test_router_killed_mid_stream_loses_nothing(
         # the only window for a second route is a crash between Kafka's ack and the Redis mark
         assert len(twice) <= 5, f"{len(twice)} routed twice, e.g. {twice[:5]}"
         print(f"killed mid-stream: {n} queries, 0 lost, {len(twice)} routed twice")
+    finally:
+        procs.stop_all()
+        await store.close()
+
+
+async def test_router_with_held_queries_stops_promptly_and_hands_them_over(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM while queries wait for capacity: the router exits, the next one routes them."""
+    rid = "h" + uuid.uuid4().hex[:6]
+    cluster = cluster_yaml(rid, tmp_path / "cluster.json")
+    ns = f"t{rid}"
+    env = dict(
+        os.environ,
+        SWITCHYARD_KAFKA=kafka_bootstrap,
+        SWITCHYARD_REDIS=redis_url,
+        SWITCHYARD_NAMESPACE=ns,
+    )
+    procs = ProcessGroup(tmp_path / "logs", env=env)
+    store = await StateStore.connect(redis_url, namespace=ns)
+    for inst in cluster.instances:
+        await store.heartbeat(inst.id, inst.model, 600.0, MAX_CONCURRENCY)
+    args = ["router", "--cluster", str(tmp_path / "cluster.json"), "--policy", "tests.streams.fake_router:factory",
+            "--app-id", f"router-{rid}", "--commit-interval-s", "0.2"]  # fmt: skip
+    capacity = MAX_CONCURRENCY * len(cluster.instances)
+    n = capacity + 60
+    try:
+        first = procs.switchyard("router-1", *args, "--from", "latest")
+        await asyncio.to_thread(procs.wait_for_line, first, "assigned queries partitions", 90)
+        watched = [topics.route(i.id) for i in cluster.instances]
+        start = await end_offsets(kafka_bootstrap, watched)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
+        )
+        await producer.start()
+        ids = [f"{rid}-q{i}" for i in range(n)]
+        for qid in ids:
+            body = json.dumps({"id": qid, "prompt": f"q {qid}"}).encode()
+            await producer.send(topics.QUERIES, body, key=qid.encode())
+        await producer.stop()
+        consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        consumer.assign(list(start))
+        for tp, off in start.items():
+            consumer.seek(tp, off)
+        routed: Counter[str] = Counter()
+        first_wave: list[RoutedQuery] = []
+
+        async def drain(until: int, keep: list[RoutedQuery] | None) -> None:
+            while sum(1 for q in ids if routed[q]) < until:
+                batch = await consumer.getmany(timeout_ms=300)
+                for records in batch.values():
+                    for r in records:
+                        rq = RoutedQuery.model_validate_json(r.value)
+                        routed[rq.query.id] += 1
+                        if keep is not None:
+                            keep.append(rq)
+                        else:
+                            await store.resident_done(rq.decision.instance_id, rq.query.id)
+
+        async with asyncio.timeout(60):
+            await drain(capacity, first_wave)  # every slot taken; the rest are held
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        code = await asyncio.to_thread(procs.stop, first, 30.0)
+        stop_s = time.monotonic() - t0
+        assert stop_s < 15.0, f"router took {stop_s:.1f} s to stop (code {code}):\n{first.tail()}"
+        for rq in first_wave:  # the first wave finishes: slots free up
+            await store.resident_done(rq.decision.instance_id, rq.query.id)
+        procs.switchyard("router-2", *args)
+        async with asyncio.timeout(90):
+            await drain(n, None)
+        await consumer.stop()
+        assert all(routed[q] == 1 for q in ids), [q for q in ids if routed[q] != 1][:5]
+        print(f"held queries handed over: stopped in {stop_s:.1f} s, {n} routed once each")
     finally:
         procs.stop_all()
         await store.close()
