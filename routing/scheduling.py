@@ -209,6 +209,10 @@ class Workload:
         bs = sched.block_size_tokens
         budget = self._budget
         prompt, pre = self.prompt, self.prefilled
+        if budget >= prompt.size and (pre == prompt).all():
+            seg = self._plan_all_decoding()
+            if seg is not None:
+                return seg
         preempted = False
         while True:
             run = np.flatnonzero(pre > 0)
@@ -279,6 +283,37 @@ class Workload:
             kv_blocks_used=blocks_used,
             fixed_blocks=fixed_blocks,
             preempted=preempted,
+        )
+
+    def _plan_all_decoding(self) -> Segment | None:
+        """The common case without a waiting or prefilling request: every row decodes one
+        token per step until the first one finishes (None: let the general path decide)."""
+        n = self.prompt.size
+        bs = self.sched.block_size_tokens
+        ctx = self.prompt + self.decoded - 1
+        ctx_sum = int(ctx.sum())
+        k = max(int((self.output - self.decoded).min()), 1)
+        # the KV cache must hold every step of the segment (upper bound; else the general path)
+        if (ctx_sum + n * k) // bs + n > self.sched.kv_blocks:
+            return None
+        blocks = int(((ctx + bs) // bs).sum())
+        return Segment(
+            steps=k,
+            rows=np.arange(n),
+            tokens=np.ones(n, dtype=np.int64),
+            is_prefill=np.zeros(n, dtype=bool),
+            ctx0=ctx,
+            start_prefilled=self.prompt.copy(),
+            n_admitted=0,
+            n_running=n,
+            n_waiting=0,
+            kv_blocks_used=blocks,
+            n_tokens=n,
+            n_decode=n,
+            n_prefill=0,
+            decode_ctx0=float(ctx_sum),
+            attn0=0.0,
+            q2=0.0,
         )
 
     def _plan_v0(self) -> Segment | None:
