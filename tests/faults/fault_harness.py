@@ -4,7 +4,7 @@
   in its own state directory (never the session's shared ones), which a test may stop,
   kill and restart on the same ports. The broker restarts on its own data directory (same
   cluster id, same logs), so a restart is a real broker restart, not a fresh cluster.
-* :class:`Proc` / :class:`Procs` — router, worker and fake-vLLM subprocesses, each in its own
+* :class:`Proc` / :class:`Procs` — router and worker subprocesses, each in its own
   session, logged to a file, stopped with SIGTERM then SIGKILL by pid, or ``kill -9``'d by
   pid on purpose. ``Procs.stop_all`` runs at teardown whatever happened.
 * :class:`TopicTally` — reads ``results`` / ``decisions`` / ``dead-letters`` / ``route.*``
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,7 +178,11 @@ class OwnedServices:
         )
 
     def kafka_restart(self, timeout_s: float = 90.0) -> float:
-        """Start the broker again with the same command line; return seconds until it serves."""
+        """Start the broker again with the same command line; return seconds until it serves.
+
+        Blocking (its readiness probe runs its own event loop): call it from sync code or
+        ``loop.run_in_executor``.
+        """
         rec = self.kafka
         assert rec is not None and self._kafka_argv
         if rec.alive():
@@ -223,12 +227,11 @@ class OwnedServices:
 
     def down(self) -> None:
         # its data is thrown away: no controlled shutdown needed (saves seconds per module)
-        if self.kafka is not None and self.kafka.alive():
-            os.kill(self.kafka.pid, signal.SIGKILL)
+        rec = self.kafka
+        if rec is not None and rec.alive():
+            os.kill(rec.pid, signal.SIGKILL)
             with contextlib.suppress(HarnessError):
-                wait_until(
-                    lambda: _reaped(self.kafka.pid) or not self.kafka.alive(), 30, "Kafka to exit"
-                )  # type: ignore[union-attr]
+                wait_until(lambda: _reaped(rec.pid) or not rec.alive(), 30, "Kafka to exit")
         services.down(self.home)
         for child in self._extra:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -571,12 +574,6 @@ def write_figures(scenario: str, figures: Mapping[str, Any]) -> Path:
     data[scenario] = {**figures, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
     return path
-
-
-@contextlib.contextmanager
-def timed() -> Iterator[Callable[[], float]]:
-    t0 = time.monotonic()
-    yield lambda: time.monotonic() - t0
 
 
 # --------------------------------------------------------------------------- the service under test

@@ -63,7 +63,7 @@ class Hostile:
 # --------------------------------------------------------------------------- building blocks
 
 safe_text = st.text(
-    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40
+    alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=40
 )
 _ALNUM = string.ascii_letters + string.digits
 query_ids = st.text(alphabet=_ALNUM + "_.:-", min_size=1, max_size=40)
