@@ -370,7 +370,9 @@ def register(app: typer.Typer) -> None:
     @app.command("replay")
     def replay_cmd(
         trace: Path = typer.Option(
-            ..., "--trace", help="Trace CSV(.gz): arrival_s,input_tokens,output_tokens"
+            ...,
+            "--trace",
+            help="Trace CSV(.gz) (arrival_s,input_tokens,output_tokens), or azure-conv | azure-code | mooncake",
         ),
         data: Path = typer.Option(
             ..., "--data", help="Routing dataset (texts and per-model scores)"
@@ -400,6 +402,14 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
     ) -> None:
         """Replay a trace through the running service and print the report."""
+        if (
+            not trace.exists()
+        ):  # a trace name: azure-conv, azure-code, mooncake (../shared/data/traces)
+            from sim.traffic import TRACE_FILES
+            from switchyard.paths import shared_data
+
+            if str(trace) in TRACE_FILES:
+                trace = shared_data("traces", TRACE_FILES[str(trace)])
         if models_csv is None and (data.parent / "models.csv").exists():
             models_csv = data.parent / "models.csv"
         try:
