@@ -23,7 +23,7 @@ lint: install
 # Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and stops).
 test: lint
 	SWITCHYARD_HOME=$(TEST_HOME) $(BIN)/python -m switchyard.testrun -- \
-		$(BIN)/pytest -q -ra --durations=15 $(PYTEST_ARGS)
+		$(BIN)/pytest -q -ra --durations=25 --timeout=300 $(PYTEST_ARGS)
 
 # The pure suite only (no Kafka, no Redis).
 test-unit: install
