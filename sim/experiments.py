@@ -253,7 +253,7 @@ def run_batching(inputs: ExperimentInputs, progress: Progress | None = None) -> 
         pq_pick_all = route_per_query(a, c_hat, lam)
         own_spend = c_hat[np.arange(a.shape[0]), pq_pick_all]
         for kind in ("random", "adversarial"):
-            res = {"batch": [], "per_query": [], "per_query_enforced": []}
+            res: dict[str, list[float]] = {"batch": [], "per_query": [], "per_query_enforced": []}
             br = {"batch": 0, "per_query": 0, "per_query_enforced": 0}
             worst = {"batch": 0.0, "per_query": 0.0, "per_query_enforced": 0.0}
             for _ in range(n_rounds):
@@ -286,10 +286,12 @@ def run_batching(inputs: ExperimentInputs, progress: Progress | None = None) -> 
                     "per_query": float(np.mean(res["per_query"])),
                     "per_query_enforced": float(np.mean(res["per_query_enforced"])),
                     "gain": float(
-                        np.mean(res["batch"]) / max(np.mean(res["per_query"]), 1e-12) - 1
+                        np.mean(res["batch"]) / max(float(np.mean(res["per_query"])), 1e-12) - 1
                     ),
                     "gain_enforced": float(
-                        np.mean(res["batch"]) / max(np.mean(res["per_query_enforced"]), 1e-12) - 1
+                        np.mean(res["batch"])
+                        / max(float(np.mean(res["per_query_enforced"])), 1e-12)
+                        - 1
                     ),
                     "breaches_batch": br["batch"],
                     "breaches_per_query": br["per_query"],
@@ -520,7 +522,7 @@ class CachedLength:
 def make_policy(
     name: str,
     cluster: ClusterConfig,
-    predictor: QualityPredictor | CachedQuality,
+    predictor: Any,
     utility_lambda: float = 0.0,
     length: Any = None,
     **knobs: Any,
@@ -564,6 +566,8 @@ def workload_for(
 ) -> Workload:
     """Arrivals joined to the dataset's queries. ``replay``: the trace whose arrivals these
     are (its token counts go with them); ``lengths_from``: a trace to sample sizes from."""
+    t_in: IntArray | None
+    t_out: IntArray | None
     if replay is not None:
         t_in, t_out = replay.input_tokens, replay.output_tokens
     else:
@@ -770,7 +774,7 @@ def run_tradeoff(inputs: ExperimentInputs, progress: Progress | None = None) -> 
     length = CachedLength(st.predictor.length, w.texts, w.prompt_tokens)
     rows: list[dict[str, Any]] = []
     points: dict[str, tuple[list[float], list[float]]] = {"latency-aware (δ sweep)": ([], [])}
-    curve = []
+    curve: list[dict[str, Any]] = []
     for d in deltas:
         res = simulate(
             make_policy(
@@ -1042,7 +1046,7 @@ def run_allocation(inputs: ExperimentInputs, progress: Progress | None = None) -
         | {g_pool}
     )
     rows: list[dict[str, Any]] = []
-    curve = []
+    curve: list[dict[str, Any]] = []
     for G in budgets:
         opt = allocate_counts(
             [off.lower[w] for w in hist_w], [off.c_hat[w] for w in hist_w], g, slots, G, budget

@@ -231,7 +231,7 @@ def register(app: typer.Typer) -> None:
                     SimCluster(cfg, seed=seed),
                     w,
                     ecfg,
-                    progress=lambda done, total, t=task: bar.update(t, completed=done),
+                    progress=lambda done, total, t=task: bar.update(t, completed=done),  # type: ignore[misc]
                 )
                 results.append(res)
         summaries = [r.summary() for r in results]
