@@ -10,13 +10,28 @@ scanned for the secrets, as are exception texts and dead letters.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from fault_harness import OwnedServices, write_figures
+from fault_harness import (
+    Heartbeats,
+    OwnedServices,
+    Procs,
+    TopicReader,
+    await_until,
+    cluster_spec,
+    policy_name,
+    produce_all,
+    service_env,
+    start_router,
+    write_cluster,
+    write_figures,
+)
 
 from switchyard import services
 from switchyard.devcerts import TlsFiles, make_dev_certs
@@ -323,3 +338,48 @@ def test_figures(secure: Secure) -> None:
             "command": "make test PYTEST_ARGS='tests/faults/test_security.py'",
         },
     )
+
+
+async def test_router_over_sasl_ssl_and_redis_tls_leaks_nothing(
+    secure: Secure, tmp_path: Path
+) -> None:
+    """The real router, configured only through SWITCHYARD_* variables (SASL_SSL with
+    SCRAM-SHA-512, Redis AUTH over TLS): it routes valid queries, dead-letters bad ones, and
+    neither its log nor any dead letter or decision carries a secret."""
+    prefix = "sec" + uuid.uuid4().hex[:5]
+    cluster_file = tmp_path / "cluster.json"
+    cluster = write_cluster(cluster_file, cluster_spec(prefix, max_concurrency=1000))
+    env = {
+        **service_env(secure.owned, namespace=prefix),
+        **secure.kafka_env("SASL_SSL", "SCRAM-SHA-512"),
+        **secure.redis_env(),
+    }
+    settings = Settings.from_env(env)
+    procs = Procs(tmp_path / "logs", env)
+    try:
+        router = start_router(procs, cluster_file, policy_name(None), extra=["--loglevel", "INFO"])
+        ids = [f"{prefix}-{i}" for i in range(20)]
+        valid = [(q.encode(), f'{{"id": "{q}", "prompt": "hello"}}'.encode()) for q in ids]
+        bad = [
+            (f"bad{i}".encode(), b'{"id": "x", "ttft_slo_ms": -1, "prompt": 5}') for i in range(20)
+        ]
+        async with (
+            Heartbeats(settings.redis_kwargs(), cluster),
+            TopicReader(settings.kafka_kwargs(), ["decisions", "dead-letters"]) as reader,
+        ):
+            await produce_all(settings.kafka_kwargs(), "queries", valid + bad)
+
+            def done() -> bool:
+                router.check_alive()
+                return all(q in reader.tally.routed for q in ids) and len(
+                    reader.tally.dead_letters
+                ) >= len(bad)
+
+            await await_until(done, 90, "20 routed and 20 dead-lettered over SASL_SSL")
+            letters = json.dumps(reader.tally.dead_letters)
+            decisions = json.dumps(reader.tally.decisions)
+        secure.assert_clean(letters, "dead letters")
+        secure.assert_clean(decisions, "decisions")
+    finally:
+        procs.stop_all()
+    secure.assert_clean(procs.all_text(), "the router's log (INFO)")
