@@ -66,23 +66,10 @@ def default_timing(spec: ModelSpec, noise_sigma: float) -> TimingSource:
     """The engine's timing source: the profile's measured-table step time (so the engine is
     not priced by the very Eq. 9 model SFS uses), else Eq. 9 itself, with log-normal noise."""
     if spec.step_time is None and spec.profile is not None:
-        from routing import profiles
-
         try:
-            t = profiles.Table.from_record(profiles.profile_record(spec.profile))
+            return TableTiming.from_profile(spec.profile, noise_sigma)
         except (KeyError, FileNotFoundError) as exc:
             raise ClusterError(f"model {spec.name!r}: profile {spec.profile!r}: {exc}") from exc
-        return TableTiming(
-            tuple(float(x) for x in t.dense_tokens),
-            tuple(float(x) for x in t.dense_ms),
-            t.cpu_ms,
-            t.cpu_ms_per_seq,
-            t.decode_ms_per_seq,
-            t.decode_ms_per_ctx_token,
-            t.prefill_ms_per_attn_unit,
-            t.prefill_half_eff_tokens,
-            noise_sigma,
-        )
     model = step_model_of(spec)
     if model is None:
         raise ClusterError(f"model {spec.name!r} is local but has neither step_time nor profile")
