@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
 from schemas import Query, Result
@@ -89,11 +89,7 @@ class SwitchyardClient:
             )
             await consumer.start()
             try:
-                parts = consumer.partitions_for_topic(topics.RESULTS)
-                if not parts:
-                    await consumer.topics()  # refresh metadata once
-                    parts = consumer.partitions_for_topic(topics.RESULTS) or {0}
-                tps = [TopicPartition(topics.RESULTS, p) for p in sorted(parts)]
+                tps = await topics.partitions(kw, [topics.RESULTS])
                 consumer.assign(tps)
                 if self.from_timestamp_s is not None:
                     found = await consumer.offsets_for_times(

@@ -80,3 +80,20 @@ async def ensure_topics(
         return missing
     finally:
         await admin.close()
+
+
+async def partitions(kafka_kwargs: Mapping[str, Any], names: Iterable[str]) -> list[Any]:
+    """Every ``TopicPartition`` of ``names``, from the broker's metadata (never a guess)."""
+    from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**dict(kafka_kwargs))
+    await admin.start()
+    try:
+        described = await admin.describe_topics(list(names))
+    finally:
+        await admin.close()
+    tps = [TopicPartition(t["topic"], p["partition"]) for t in described for p in t["partitions"]]
+    if not tps:
+        raise RuntimeError(f"no partitions found for topics {list(names)}")
+    return sorted(tps)

@@ -205,24 +205,13 @@ class ResultCollector:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka import AIOKafkaConsumer
 
         from switchyard import topics
 
         kw = self.settings.kafka_kwargs(client_id=self.client_id)
         await topics.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
-        admin = AIOKafkaAdminClient(**kw)
-        await admin.start()
-        try:
-            described = await admin.describe_topics([topics.RESULTS])
-        finally:
-            await admin.close()
-        tps = [
-            TopicPartition(topics.RESULTS, p["partition"])
-            for t in described
-            for p in t["partitions"]
-        ]
+        tps = await topics.partitions(kw, [topics.RESULTS])
         consumer = AIOKafkaConsumer(**kw, enable_auto_commit=False)
         await consumer.start()
         consumer.assign(tps)
