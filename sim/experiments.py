@@ -85,6 +85,11 @@ class ExperimentInputs:
     replicates: int | None = None  # bootstrap replicates (default: 8 quick, 20 full)
     estimator: str = "gbdt"  # the quality estimator of every experiment but ``robust``
     featurizer: Any = "hashed"  # text features of the predictors (a name or a Featurizer)
+    tag: str = ""  # appended to output file names (e.g. "-irt_router_ccf20-quick")
+
+    def png(self, name: str) -> Path:
+        """Where experiment ``name`` writes its plot."""
+        return self.out_dir / f"{name}{self.tag}.png"
 
 
 @dataclass
@@ -354,7 +359,7 @@ def run_batching(inputs: ExperimentInputs, progress: Progress | None = None) -> 
             "per-query": [r["per_query"] for r in rows],
             "per-query, hard budget": [r["per_query_enforced"] for r in rows],
         },
-        inputs.out_dir / "batching.png",
+        inputs.png("batching"),
         ylabel="realised mean quality",
         title="Batch ILP vs per-query routing at equal budget (random / adversarial batches)",
     )
@@ -452,7 +457,7 @@ def run_robust(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
             "robust (bootstrap quantile)": [r["robust"] for r in rows],
             "robust (conformal)": [r["robust_conformal"] for r in rows],
         },
-        inputs.out_dir / "robust.png",
+        inputs.png("robust"),
         ylabel="realised mean quality",
         title="Batch ILP on robust lower bounds vs point estimates",
     )
@@ -740,7 +745,7 @@ def run_ontime(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
         }
     png = report.plot_panels(
         {f"{proc} arrivals": (list(rates), curves[proc]) for proc in ("poisson", "mmpp")},
-        inputs.out_dir / "ontime.png",
+        inputs.png("ontime"),
         xlabel="arrival rate (queries/s)",
         ylabel="OnTimeUtility",
         highlight=("latency-aware", "batch-ilp-sfs"),
@@ -848,7 +853,7 @@ def run_tradeoff(inputs: ExperimentInputs, progress: Progress | None = None) -> 
     }
     png = report.plot_scatter(
         points,
-        inputs.out_dir / "tradeoff.png",
+        inputs.png("tradeoff"),
         xlabel="SLO attainment",
         ylabel="mean utility (score − λ·cost)",
         title=f"Paper A's δ trade-off at {rate:g} queries/s",
@@ -1128,7 +1133,7 @@ def run_allocation(inputs: ExperimentInputs, progress: Progress | None = None) -
             "optimised, oracle quality": [c["oracle_optimised"] for c in curve],
             f"best single ({data.models[j_best]}, {gpus_best} GPUs)": [q_best] * len(curve),
         },
-        inputs.out_dir / "allocation.png",
+        inputs.png("allocation"),
         xlabel="GPU budget",
         ylabel="realised mean quality",
         title=f"Instance allocation under a GPU budget ({window} queries per window)",

@@ -329,15 +329,12 @@ def register(app: typer.Typer) -> None:
             quick,
             seed,
             cmd,
+            tag=suffix,
         )
         out_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         result = ex.run(name, inputs, progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
         wall = time.perf_counter() - started
-        if suffix:
-            q = result.png.with_name(result.png.stem + suffix + ".png")
-            result.png.replace(q)
-            result.png = q
         payload = {
             "experiment": name,
             "command": cmd,
