@@ -166,6 +166,20 @@ def _fates(reader: TopicReader, ids: list[str]) -> dict[str, int]:
     }
 
 
+def _where(reader: TopicReader, ids: list[str]) -> str:
+    """Where the unanswered queries got to: decisions and route messages of the first few."""
+    lost = [q for q in ids if q not in reader.tally.results][:6]
+    parts = []
+    for q in lost:
+        decisions = [
+            (d.get("status"), d.get("instance_id"), round(d.get("decided_at", 0), 2))
+            for d in reader.tally.decisions.get(q, [])
+        ]
+        routes = [topic for topic, _ in reader.tally.routed.get(q, [])]
+        parts.append(f"{q}: decisions {decisions}, routed to {routes}")
+    return "unanswered: " + "; ".join(parts)
+
+
 N_KAFKA = 1_000
 KAFKA_RATE = 100.0
 
@@ -218,7 +232,7 @@ async def test_kafka_broker_restart_mid_stream_loses_nothing(rig: Rig) -> None:
             await await_until(all_answered, 180, f"a result for each of {N_KAFKA} queries")
         except AssertionError as exc:
             fates = _fates(reader, ids)
-            pytest.fail(f"{exc}: {fates}; dead processes: {rig.dead()}")
+            pytest.fail(f"{exc}: {fates}; dead processes: {rig.dead()}; {_where(reader, ids)}")
         done = time.monotonic()
         await asyncio.sleep(1.0)
         fates = _fates(reader, ids)
