@@ -86,6 +86,7 @@ class ExperimentInputs:
     estimator: str = "gbdt"  # the quality estimator of every experiment but ``robust``
     featurizer: Any = "hashed"  # text features of the predictors (a name or a Featurizer)
     tag: str = ""  # appended to output file names (e.g. "-irt_router_ccf20-quick")
+    delta: float | None = None  # paper A's δ for latency-aware in ``ontime`` (None: its default)
 
     def png(self, name: str) -> Path:
         """Where experiment ``name`` writes its plot."""
@@ -682,7 +683,14 @@ def run_ontime(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
             )
             length = CachedLength(st.predictor.length, w.texts, w.prompt_tokens)
             for pol in ONTIME_POLICIES:
-                router = make_policy(pol, st.cluster, st.quality, UTILITY_LAMBDA, length=length)
+                knobs = (
+                    {"delta": inputs.delta}
+                    if pol == "latency-aware" and inputs.delta is not None
+                    else {}
+                )
+                router = make_policy(
+                    pol, st.cluster, st.quality, UTILITY_LAMBDA, length=length, **knobs
+                )
                 res = simulate(router, st.cluster, w, cfg, inputs.seed)
                 s = res.summary()
                 curves[process][pol].append(s["ontime_utility"])
@@ -707,6 +715,7 @@ def run_ontime(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
                         f"SLO {s['slo_attainment']:.3f} ({res.sim_wall_s:.1f}s)"
                     )
     out: dict[str, Any] = {
+        "latency_aware_delta": inputs.delta,
         "rates_per_s": list(rates),
         "duration_s": duration,
         "slo": ONTIME_SLO,

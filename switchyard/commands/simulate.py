@@ -291,6 +291,9 @@ def register(app: typer.Typer) -> None:
             None, help="Cluster YAML (default: the shipped one for the data's models)"
         ),
         quick: bool = typer.Option(False, help="A small, fast run"),
+        delta: float = typer.Option(
+            None, help="ontime: δ of latency-aware (default: the policy's own)"
+        ),
         seed: int = typer.Option(0),
         out_dir: Path = typer.Option(RESULTS_DIR, help="Where the table, JSON and PNG go"),
         as_json: bool = typer.Option(False, "--json", help="Print the result JSON"),
@@ -318,7 +321,9 @@ def register(app: typer.Typer) -> None:
         trace_path = resolve_trace(trace, shared_data("traces"))
         cmd = "switchyard experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         tag = "" if data is None else f"-{data_path.parent.name}"
-        suffix = tag + ("-quick" if quick else "")
+        suffix = (
+            tag + (f"-delta{delta:g}" if delta is not None else "") + ("-quick" if quick else "")
+        )
         inputs = ex.ExperimentInputs(
             data_path,
             fmt,
@@ -330,6 +335,7 @@ def register(app: typer.Typer) -> None:
             seed,
             cmd,
             tag=suffix,
+            delta=delta,
         )
         out_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
