@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.query import TENANT_PATTERN
+from schemas.query import TENANT_PATTERN, Query
 
 INSTANCE_ID_PATTERN = r"^[A-Za-z0-9_\-]{1,100}$"
 
@@ -54,9 +54,24 @@ class ModelSpec(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     rate_limit_rps: float | None = Field(default=None, gt=0)  # cloud endpoints
     mean_output_tokens: float | None = Field(default=None, gt=0)
+    # Output cap sent to the engine when a query sets none; the budget ledger reserves up to it.
+    max_output_tokens: int = Field(default=4096, ge=1, le=1_000_000)
 
     def cost_usd(self, prompt_tokens: float, output_tokens: float) -> float:
         return self.input_usd_per_token * prompt_tokens + self.output_usd_per_token * output_tokens
+
+    def output_cap_tokens(self, query: Query) -> int:
+        """The most output tokens ``query`` may produce here (its own cap, else the model's)."""
+        return query.output_cap_tokens() or self.max_output_tokens
+
+    def max_cost_usd(self, query: Query) -> float:
+        """An upper bound of what ``query`` can cost on this model.
+
+        What the ledger reserves, so that settling the real cost can never push spend past
+        a budget: prompt tokens bounded by the prompt's bytes (every token covers >= 1 byte,
+        plus chat-template overhead), output bounded by the cap the worker sends the engine.
+        """
+        return self.cost_usd(query.prompt_tokens_upper_bound(), self.output_cap_tokens(query))
 
 
 class InstanceSpec(BaseModel):

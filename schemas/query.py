@@ -110,6 +110,13 @@ class Query(BaseModel):
     def output_cap_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def prompt_tokens_upper_bound(self) -> int:
+        """At most this many prompt tokens: one per UTF-8 byte (byte-level BPE never does
+        worse) plus chat-template tokens, or the producer's count if that is larger."""
+        size = len(self.text().encode("utf-8", "surrogatepass"))
+        template = 8 + 8 * len(self.messages) if self.messages is not None else 2
+        return max(size + template, self.prompt_tokens or 0)
+
     def estimated_prompt_tokens(self) -> int:
         """``prompt_tokens`` when the producer gave it, else ~4 bytes per token."""
         if self.prompt_tokens is not None:

@@ -381,7 +381,11 @@ class RouterService:
             tw = tenant_windows.get(tenant)
             if tw is None:
                 continue
-            amounts = {p.query.id: float(d.predicted_cost_usd or 0.0) for p, d in group}
+            # the worst case, not the prediction: settling the real cost never overspends
+            amounts = {
+                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
+                for p, d in group
+            }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             for qid, accepted in ok.items():
                 if not accepted:

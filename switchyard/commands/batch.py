@@ -59,10 +59,7 @@ def stable_id(job: str, line_no: int, line: str) -> str:
 
 def cost_bound_usd(q: Query, cluster: ClusterConfig) -> float:
     """An upper bound of what ``q`` can cost on any model of ``cluster``."""
-    pin = max(m.input_usd_per_token for m in cluster.models)
-    pout = max(m.output_usd_per_token for m in cluster.models)
-    prompt_bytes = len(q.text().encode("utf-8", "surrogatepass"))
-    return pin * max(prompt_bytes, q.prompt_tokens or 0) + pout * int(q.output_cap_tokens() or 0)
+    return max(m.max_cost_usd(q) for m in cluster.models)
 
 
 def read_jobs(

@@ -13,7 +13,9 @@ def register(app: typer.Typer) -> None:
     app.add_typer(schema_app, name="schema")
 
     @schema_app.command("export")
-    def export(out_dir: Path = typer.Argument(..., help="Folder to write <topic>.schema.json into")) -> None:
+    def export(
+        out_dir: Path = typer.Argument(..., help="Folder to write <topic>.schema.json into"),
+    ) -> None:
         """Write one JSON Schema file per topic body."""
         from schemas import TOPIC_BODIES
 
@@ -21,5 +23,7 @@ def register(app: typer.Typer) -> None:
         for topic, model in TOPIC_BODIES.items():
             name = topic.replace("<", "").replace(">", "")
             path = out_dir / f"{name}.schema.json"
-            path.write_text(json.dumps(model.model_json_schema(), indent=2) + "\n", encoding="utf-8")
+            path.write_text(
+                json.dumps(model.model_json_schema(), indent=2) + "\n", encoding="utf-8"
+            )
             typer.echo(f"{topic:20s} -> {path}")

@@ -196,6 +196,7 @@ def _backend(
                 endpoint=url,
                 model=served_model or spec.name,
                 max_connections=(concurrency or spec.max_concurrency) + 8,
+                max_output_tokens=spec.max_output_tokens,
             )
         )
     if kind == "sim":

@@ -148,7 +148,8 @@ async def test_router_routes_each_query_once_within_budget_and_capacity(
                 if i % 200 == 0:
                     futures.append(await producer.send(topics.QUERIES, bad[(i // 200) % len(bad)]))
             for qid in tight_ids:
-                body = {"id": qid, "tenant": "tight", "prompt": "expensive " * 40}
+                # a cap on output: the ledger reserves each query's worst case up to it
+                body = {"id": qid, "tenant": "tight", "prompt": "expensive " * 40, "max_tokens": 32}
                 futures.append(
                     await producer.send(topics.QUERIES, json.dumps(body).encode(), key=qid.encode())
                 )

@@ -63,7 +63,10 @@ class SimBackend:
         q = req.query
         seed_text = f"{q.seed}\x1f{q.text()}" if q.seed is not None else q.text()
         n_out = synth.output_tokens(
-            q.output_cap_tokens(), seed_text, self.spec.mean_output_tokens or 128.0
+            q.output_cap_tokens(),
+            seed_text,
+            self.spec.mean_output_tokens or 128.0,
+            cap_tokens=self.spec.max_output_tokens,
         )
         sent_at = time.time()
         first: float | None = None

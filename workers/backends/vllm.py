@@ -55,9 +55,12 @@ class VllmConfig:
     backoff_s: float = 0.2  # first retry delay; doubles each time
     max_connections: int = 256
     api_key: str | None = None
+    max_output_tokens: int | None = None  # cap sent when a query sets none (the ledger's bound)
 
 
-def request_body(query: Query, model: str) -> tuple[str, dict[str, Any]]:
+def request_body(
+    query: Query, model: str, default_max_tokens: int | None = None
+) -> tuple[str, dict[str, Any]]:
     """The path and JSON body for ``query`` (always streaming, usage requested, n=1)."""
     body: dict[str, Any] = {
         "model": model,
@@ -81,13 +84,15 @@ def request_body(query: Query, model: str) -> tuple[str, dict[str, Any]]:
             body["max_completion_tokens"] = query.max_completion_tokens
         if query.max_tokens is not None:
             body["max_tokens"] = query.max_tokens
+        elif query.max_completion_tokens is None and default_max_tokens is not None:
+            body["max_tokens"] = default_max_tokens
         return "/v1/chat/completions", body
     body["prompt"] = query.prompt
     for name in _PASS_COMPLETION:
         value = getattr(query, name)
         if value is not None:
             body[name] = value
-    cap = query.output_cap_tokens()
+    cap = query.output_cap_tokens() or default_max_tokens
     if cap is not None:
         body["max_tokens"] = cap
     return "/v1/completions", body
@@ -161,7 +166,7 @@ class VllmBackend:
     async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
         if self._client is None:
             raise RuntimeError("VllmBackend.generate called before start()")
-        path, body = request_body(req.query, self.config.model)
+        path, body = request_body(req.query, self.config.model, self.config.max_output_tokens)
         sent_at = time.time()
         attempt = 0
         while True:
