@@ -248,12 +248,10 @@ def standalone_ttft_ms(
     C = np.concatenate([[0.0], np.cumsum(kk * bb)])
     # first segment where each candidate can be admitted
     ok = fr[None, :] >= first_blocks[:, None]
-    if not ok.any(axis=1).all():
-        i = int(np.flatnonzero(~ok.any(axis=1))[0])
-        raise ValueError(
-            f"prompt_tokens[{i}] ({int(P[i])} tokens) needs {int(first_blocks[i])} KV blocks, "
-            f"more than the instance can free (kv_blocks={sched.kv_blocks})"
-        )
+    # Candidates whose first chunk finds no room in the residents-only timeline (the scan
+    # stopped once the smallest could start): simulate each exactly. Never an exception:
+    # a router must get an answer for every pair, and "never" is a valid one.
+    stuck = np.flatnonzero(~ok.any(axis=1))
     i0 = ok.argmax(axis=1)
     target = C[i0] + need
     i_end = np.searchsorted(C, target, side="left") - 1
@@ -266,7 +264,35 @@ def standalone_ttft_ms(
         * (P.astype(np.float64) ** 2 - np.asarray(hit, dtype=np.float64) ** 2)
         / 2.0
     )
-    return np.asarray(resident_ms + own_ms, dtype=np.float64)
+    out = np.asarray(resident_ms + own_ms, dtype=np.float64)
+    for i in stuck:
+        out[i] = _exact_or_unservable(
+            state, int(P[i]), int(first_blocks[i]), model, sched, start_delay_ms
+        )
+    return out
+
+
+UNSERVABLE_MS = 1e9  # finite "never": a prompt this instance's KV cache can never hold
+
+
+def _exact_or_unservable(
+    state: InstanceState,
+    prompt: int,
+    first_blocks: int,
+    model: StepTimeModel,
+    sched: SchedulerConfig,
+    start_delay_ms: float,
+) -> float:
+    """One candidate through the full FCFS simulation; ``UNSERVABLE_MS`` if it cannot fit."""
+    if first_blocks > sched.kv_blocks:
+        return UNSERVABLE_MS
+    try:
+        got = estimate_ttft_ms(
+            state, np.array([prompt], dtype=np.int64), model, sched, start_delay_ms=start_delay_ms
+        )
+    except (ValueError, RuntimeError):
+        return UNSERVABLE_MS
+    return float(got[0])
 
 
 def _all_decoding_fast_path(

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.sfs import estimate_ttft_ms, standalone_ttft_ms
+from routing.sfs import UNSERVABLE_MS, estimate_ttft_ms, standalone_ttft_ms
 from routing.steptime import StepTimeModel
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
 from routing.types import InstanceState
@@ -267,3 +267,22 @@ def test_throughput_baseline_ignores_decodes() -> None:
     assert got[0] == pytest.approx((400 + 600) / tps * 1e3)
     with pytest.raises(ValueError, match="tokens_per_s must be a finite number > 0"):
         throughput_ttft_ms(s, np.array([1]), 0.0)
+
+
+def test_standalone_answers_when_a_big_candidate_must_wait_for_kv_blocks() -> None:
+    """A nearly full KV cache: a small candidate starts at once, a big one must wait for
+    residents to finish. Once raised "needs N KV blocks" and crashed the router."""
+    n = 30
+    state = InstanceState(
+        prompt_tokens=np.full(n, 1300, dtype=np.int64),
+        prefilled_tokens=np.full(n, 1300, dtype=np.int64),
+        decoded_tokens=np.full(n, 10, dtype=np.int64),
+        predicted_output_tokens=np.arange(200, 200 + 20 * n, 20, dtype=np.int64),
+    )
+    model = StepTimeModel(5.0, 0.02, 1e-4, 1e-6)
+    sched = SchedulerConfig(kv_blocks=2537, max_num_batched_tokens=8192)
+    got = standalone_ttft_ms(state, np.array([100, 2417, 10**6], dtype=np.int64), model, sched)
+    assert np.isfinite(got).all()
+    assert got[1] == pytest.approx(estimate_ttft_ms(state, np.array([2417]), model, sched)[0])
+    assert got[1] > got[0]
+    assert got[2] == UNSERVABLE_MS  # more blocks than the whole cache
