@@ -49,7 +49,7 @@ class SequentialRouter:
     ) -> list[Decision]:
         if not instances:
             return rejected(self.name, queries, budget, now, "no instance to route to")
-        win = prepare(self.ctx, queries, instances)
+        win = prepare(self.ctx, queries, instances, now)
         out = Outcome.empty(win.n, self.name)
         ledger = Ledger(win, budget)
         utility = win.utility(self.robust, self.ctx.lam_per_usd)

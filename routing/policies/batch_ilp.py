@@ -85,7 +85,7 @@ class BatchIlpRouter:
     ) -> list[Decision]:
         if not instances:
             return rejected(self.name, queries, budget, now, "no instance to route to")
-        win = prepare(self.ctx, queries, instances)
+        win = prepare(self.ctx, queries, instances, now)
         if win.n == 0:
             return []
         deadline = (

@@ -61,13 +61,27 @@ class Window:
         return flags
 
 
-def prepare(ctx: RouterContext, queries: Sequence[Query], views: Sequence[InstanceView]) -> Window:
-    """Predict quality, length and cost for every (query, instance)."""
+def remaining_slo_ms(q: Query, now: float) -> float:
+    """``ttft_slo_ms`` less the time since ``created_at`` (same clock as ``now``), >= 0."""
+    if q.created_at is None or now <= q.created_at:
+        return q.ttft_slo_ms
+    return max(0.0, q.ttft_slo_ms - (now - q.created_at) * 1000.0)
+
+
+def prepare(
+    ctx: RouterContext, queries: Sequence[Query], views: Sequence[InstanceView], now: float
+) -> Window:
+    """Predict quality, length and cost for every (query, instance).
+
+    The SLO each pair is checked against is what is left of it at ``now``: a query that
+    waited in its window (or was held for a free slot) since ``created_at`` has that much
+    less time for its first token.
+    """
     started = time.perf_counter()
     n, K = len(queries), len(views)
     texts = [q.text() for q in queries]
     prompt = np.fromiter((q.estimated_prompt_tokens() for q in queries), np.int64, n)
-    slo = np.fromiter((q.ttft_slo_ms for q in queries), np.float64, n)
+    slo = np.fromiter((remaining_slo_ms(q, now) for q in queries), np.float64, n)
     qmodels = list(ctx.quality.models)
     col_of = {name: j for j, name in enumerate(qmodels)}
     known_models = {m.name for m in ctx.cluster.models}

@@ -185,6 +185,19 @@ def test_impossible_slo_goes_to_lowest_ttft_instance_flagged() -> None:
         assert DecisionFlag.SLO_INFEASIBLE in ds[0].flags, name
 
 
+def test_time_already_waited_counts_against_the_slo() -> None:
+    """A query created 1.9 s ago with a 2 s SLO has 100 ms left: only an empty medium
+    instance (200 ms) could have made it earlier, so it is now flagged infeasible."""
+    for name in ("batch-ilp-sfs", "latency-aware", "per-query-robust"):
+        router = make_router(name, context())
+        fresh = [q.model_copy(update={"created_at": 100.0}) for q in queries([1000], 2000.0)]
+        vs = views([5, 0, 5, 5], [4, 4, 4, 4])
+        ok = router.decide(fresh, vs, Budget(window_usd=1.0), now=100.05)
+        assert DecisionFlag.SLO_INFEASIBLE not in ok[0].flags, name
+        late = router.decide(fresh, vs, Budget(window_usd=1.0), now=101.9)
+        assert DecisionFlag.SLO_INFEASIBLE in late[0].flags, name
+
+
 def test_sfs_policies_avoid_an_overloaded_instance() -> None:
     qs = queries([2000] * 3, 900.0)
     vs = views([0, 0, 30, 0], [4, 4, 4, 1])  # l0 has 30 residents: 1.2 s backlog
