@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -101,12 +102,23 @@ class Result(BaseModel):
         return self.error is None
 
 
+MAX_DEAD_LETTER_RAW_BYTES = 262_144  # base64 grows it by a third; stays far below 1 MB brokers
+
+
 class DeadLetter(BaseModel):
-    """Body of ``dead-letters``: a message that could not be handled, kept whole."""
+    """Body of ``dead-letters``: a message that could not be handled, kept whole when small.
+
+    A raw message over ``MAX_DEAD_LETTER_RAW_BYTES`` keeps its first bytes, its size and its
+    SHA-256; the whole message stays at ``topic``/``partition``/``offset`` (so a dead letter
+    never grows past what the broker accepts, which would stall the stream).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     raw_b64: str
+    raw_size_bytes: int = Field(default=0, ge=0)
+    raw_sha256: str = ""
+    truncated: bool = False
     reason: str
     topic: str
     partition: int = Field(ge=-1)
@@ -124,10 +136,15 @@ class DeadLetter(BaseModel):
         offset: int,
         received_at: float,
         stage: str = "validate",
+        max_raw_bytes: int = MAX_DEAD_LETTER_RAW_BYTES,
     ) -> DeadLetter:
+        kept = raw[:max_raw_bytes]
         return cls(
-            raw_b64=base64.b64encode(raw).decode("ascii"),
-            reason=reason,
+            raw_b64=base64.b64encode(kept).decode("ascii"),
+            raw_size_bytes=len(raw),
+            raw_sha256=hashlib.sha256(raw).hexdigest(),
+            truncated=len(kept) < len(raw),
+            reason=reason[:4096],
             topic=topic,
             partition=partition,
             offset=offset,

@@ -105,3 +105,13 @@ def test_every_topic_body_exports_json_schema() -> None:
         schema = model.model_json_schema()
         assert schema["type"] == "object", topic
         assert schema["properties"], topic
+
+
+def test_dead_letter_of_a_huge_message_stays_small_and_names_it() -> None:
+    raw = b"x" * 2_000_000
+    dl = DeadLetter.of(raw, "message is 2000000 bytes, over the cap", "queries", 0, 5, 1.0)
+    assert dl.truncated and dl.raw_size_bytes == 2_000_000 and len(dl.raw()) == 262_144
+    assert len(dl.model_dump_json()) < 400_000
+    import hashlib
+
+    assert dl.raw_sha256 == hashlib.sha256(raw).hexdigest()
