@@ -20,8 +20,11 @@
 A query that cannot be placed now (budget paced out, every instance full, no live
 instance) is *held*: its input offset stays unacknowledged and it joins the next window,
 until ``max_hold_s`` has passed; then it gets a final ``Decision`` and an error
-``Result`` so whoever waits for it is answered. Any Redis or Kafka error makes the whole
-window retry later (nothing is acknowledged).
+``Result`` so whoever waits for it is answered. A Kafka error makes the whole window retry
+later (nothing is acknowledged). A Redis error makes the window route *blind* from what
+this process last read (``streams.blind.BlindLedger``: LPS views, a conservative share of
+the budget, in-process dedupe; decisions flagged ``BUDGET_BLIND``); what was done blind is
+written to Redis before the next normal window.
 """
 
 from __future__ import annotations
@@ -40,12 +43,15 @@ from schemas import (
     ClusterConfig,
     DeadLetter,
     Decision,
+    DecisionFlag,
     DecisionStatus,
     Limits,
     Query,
     Result,
     parse_query,
 )
+from state.store import StateUnavailable
+from streams.blind import BlindLedger
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
 from switchyard import topics
@@ -82,6 +88,7 @@ class Pending:
     inbound: Inbound
     first_seen_s: float
     announced: bool = False  # a DEFERRED decision was already published for it
+    sha: str = ""  # SHA-256 of the raw body (dedupe)
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,9 @@ class RouterConfig:
         600.0  # a slot never touched by a worker for this long is reclaimed
     )
     limits: Limits = field(default_factory=Limits)
+    # while Redis is unreachable a tenant may spend this share of its last known remaining
+    # budget (each router its own share: keep it <= 1 / number of routers)
+    blind_budget_fraction: float = 0.5
 
 
 @dataclass
@@ -146,6 +156,7 @@ class RouterService:
         self._lock = asyncio.Lock()
         self._last_window_s = time.time()
         self._arrivals: dict[str, float] = {}
+        self._blind = BlindLedger(config.blind_budget_fraction)
 
     # ------------------------------------------------------------------ entry points
 
@@ -190,16 +201,48 @@ class RouterService:
         outcome = WindowOutcome()
         try:
             outs: list[tuple[str, bytes, bytes]] = []
-            fresh = await self._validate_and_dedupe(batch_items, outs, outcome)
-            candidates = held + fresh
             routed_marks: dict[str, str] = {}
             latencies: list[Inbound] = []
             still_held: list[Pending] = []
-            if candidates:
-                await self._route(candidates, outs, outcome, routed_marks, latencies, still_held)
+            blind = False
+            try:
+                await self._blind.flush(
+                    self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
+                )
+                candidates = held + await self._validate_and_dedupe(batch_items, outs, outcome)
+                if candidates:
+                    await self._route(
+                        candidates, outs, outcome, routed_marks, latencies, still_held
+                    )
+            except Exception as exc:
+                if not _state_error(exc):
+                    raise
+                # Redis is away: nothing was produced yet; route this window blind instead
+                self.metrics.errors.labels(type(exc).__name__).inc()
+                log.warning("Redis unreachable, routing %d queries blind: %s", len(items), exc)
+                blind, outcome = True, WindowOutcome()
+                outs, routed_marks, latencies, still_held = [], {}, [], []
+                candidates = held + await self._validate_and_dedupe(
+                    batch_items, outs, outcome, blind=True
+                )
+                if candidates:
+                    await self._route(
+                        candidates, outs, outcome, routed_marks, latencies, still_held, blind
+                    )
             await self._produce(outs)
-            if routed_marks:
-                await self._mark_routed(routed_marks)
+            shas = {p.query.id: p.sha for p in candidates if p.query.id in routed_marks}
+            if blind:
+                self._blind.routed(routed_marks, shas)
+            elif routed_marks:
+                try:
+                    await self._mark_routed(routed_marks)
+                except Exception as exc:
+                    if not _state_error(exc):
+                        raise
+                    log.warning("routed marks owed to Redis until it answers: %s", exc)
+                    self._blind.routed(routed_marks, shas)
+                else:
+                    self._blind.remember(shas)
         except Exception as exc:
             kind = type(exc).__name__
             self.metrics.errors.labels(kind).inc()
@@ -249,7 +292,11 @@ class RouterService:
         return outcome, unfinished
 
     async def _validate_and_dedupe(
-        self, items: list[Inbound], outs: list[tuple[str, bytes, bytes]], outcome: WindowOutcome
+        self,
+        items: list[Inbound],
+        outs: list[tuple[str, bytes, bytes]],
+        outcome: WindowOutcome,
+        blind: bool = False,
     ) -> list[Pending]:
         now = time.time()
         valid: list[Pending] = []
@@ -274,10 +321,13 @@ class RouterService:
                 continue
             seen.add(query.id)
             raw = bytes(it.raw or b"")
-            valid.append(Pending(query, raw, it, now))
+            valid.append(Pending(query, raw, it, now, sha=hashlib.sha256(raw).hexdigest()))
         if not valid:
             return []
-        verdicts = await self._dedupe(valid)
+        if blind:  # only what this process finished itself (BlindLedger docstring)
+            verdicts = [(self._blind.verdict(p.query.id, p.sha), "-") for p in valid]
+        else:
+            verdicts = await self._dedupe(valid)
         kept: list[Pending] = []
         for p, (verdict, routed_to) in zip(valid, verdicts, strict=True):
             if verdict == "conflict":
@@ -299,7 +349,7 @@ class RouterService:
 
     async def _dedupe(self, pending: list[Pending]) -> list[tuple[str, str]]:
         """(verdict, routed-to or '') per query, one pipelined round trip for the window."""
-        items = [(p.query.id, hashlib.sha256(p.raw).hexdigest()) for p in pending]
+        items = [(p.query.id, p.sha) for p in pending]
         got = await self.state.dedupe_many(items, self.config.dedupe_ttl_s)
         return [(str(verdict), str(routed or "")) for verdict, routed in got]
 
@@ -311,16 +361,21 @@ class RouterService:
         routed_marks: dict[str, str],
         latencies: list[Inbound],
         still_held: list[Pending],
+        blind: bool = False,
     ) -> None:
         now = time.time()
-        live = await self.state.snapshots(self._instance_ids, now)
-        views, excluded = instance_views(
-            self.cluster, live, now, self.config.stale_after_s, self._arrivals
-        )
-        for spec in self.cluster.instances:
-            info = live.get(spec.id)
-            if info is not None:
-                self.metrics.instance_slots_used.labels(spec.id).set(int(info.slots_used))
+        if blind:
+            views, excluded = self._blind.views(self.cluster, now), list[str]()
+        else:
+            live = await self.state.snapshots(self._instance_ids, now)
+            self._blind.observe_instances(live, self.cluster, now)
+            views, excluded = instance_views(
+                self.cluster, live, now, self.config.stale_after_s, self._arrivals
+            )
+            for spec in self.cluster.instances:
+                info = live.get(spec.id)
+                if info is not None:
+                    self.metrics.instance_slots_used.labels(spec.id).set(int(info.slots_used))
         for v in views:
             self.metrics.instance_stale.labels(v.instance_id).set(1 if v.stale else 0)
 
@@ -330,7 +385,13 @@ class RouterService:
             for t in tenants
             if t in self._budgets
         }
-        spent = await self._spent(period_ids)
+        if blind:  # what the router may spend is the blind allowance
+            spent = {
+                t: self._budgets[t].budget_usd - self._blind.allowance(t, pid)
+                for t, pid in period_ids.items()
+            }
+        else:
+            spent = await self._spent(period_ids)
         elapsed = max(self.config.window_s, now - self._last_window_s)
         self._last_window_s = now
         budget, tenant_windows = window_budget(
@@ -374,6 +435,19 @@ class RouterService:
             if d.status in _PLACED and d.instance_id
         ]
         lost: dict[str, str] = {}  # query id -> why its reservation failed
+        if blind:
+            for p, d in placed:
+                tw = tenant_windows.get(p.query.tenant)
+                short = self._blind.take(
+                    tw.tenant if tw else None,
+                    tw.period_id if tw else None,
+                    str(d.instance_id),
+                    p.query.id,
+                    self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query),
+                )
+                if short:
+                    lost[p.query.id] = short
+            placed = []  # nothing to reserve in Redis now: the ledger owes it
         by_tenant: dict[str, list[tuple[Pending, Decision]]] = {}
         for p, d in placed:
             by_tenant.setdefault(p.query.tenant, []).append((p, d))
@@ -390,6 +464,9 @@ class RouterService:
             for qid, accepted in ok.items():
                 if not accepted:
                     lost[qid] = f"tenant {tenant} budget for period {tw.period_id} is spent"
+            # what a blind window would start from: the read less what was just reserved
+            taken = sum(amounts[q] for q, accepted in ok.items() if accepted)
+            self._blind.observe_budget(tenant, tw.period_id, tw.limit_usd, spent[tenant] + taken)
         by_instance: dict[str, list[tuple[Pending, Decision]]] = {}
         for p, d in placed:
             if p.query.id not in lost:
@@ -401,6 +478,7 @@ class RouterService:
             oks = await self.state.reserve_slots(
                 instance_id, max_slots, qids, lease_s=self.config.slot_lease_s
             )
+            self._blind.reserved_slots(instance_id, sum(oks))
             for (p, _), accepted in zip(group, oks, strict=True):
                 if not accepted:
                     lost[p.query.id] = f"instance {instance_id} is at its capacity of {max_slots}"
@@ -415,7 +493,10 @@ class RouterService:
             pid = period_ids.get(q.tenant)
             if d.status in _PLACED and d.instance_id and q.id not in lost:
                 instance_id = d.instance_id
-                d = d.model_copy(update={"budget_period": pid, "decided_at": now})
+                update: dict[str, Any] = {"budget_period": pid, "decided_at": now}
+                if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
+                    update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
+                d = d.model_copy(update=update)
                 dec_json = d.model_dump_json(exclude_none=True).encode()
                 routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
                 key = q.id.encode()
@@ -428,9 +509,9 @@ class RouterService:
                 continue
             reason = lost.get(q.id) or d.reason or f"router decided {d.status.value}"
             status = DecisionStatus.DEFERRED if q.id in lost else d.status
-            limit_s = (
-                self.config.budget_hold_s if "budget" in reason.lower() else self.config.max_hold_s
-            )
+            # a query short of the *blind* allowance waits for Redis like one short of slots
+            paced = "budget" in reason.lower() and not (blind and q.id in lost)
+            limit_s = self.config.budget_hold_s if paced else self.config.max_hold_s
             if now - p.first_seen_s < limit_s:
                 self._hold_quietly(p, outs, now, reason, d, pid)
                 still_held.append(p)
@@ -601,6 +682,11 @@ def _transient(exc: BaseException) -> bool:
     name = type(exc).__name__
     module = type(exc).__module__
     return name == "StateUnavailable" or module.startswith(("aiokafka", "kafka", "redis"))
+
+
+def _state_error(exc: BaseException) -> bool:
+    """Redis unreachable (the window can be routed blind instead of retried)."""
+    return isinstance(exc, StateUnavailable) or type(exc).__module__.startswith("redis")
 
 
 def _spent_usd(status: Any) -> float:
