@@ -408,15 +408,8 @@ def test_router_kill9_routes_nothing_twice() -> None:
     )
 
 
-@pytest.mark.xfail(
-    reason="streams/service.py RouterService._dead_letter base64-wraps the whole raw "
-    "message (+33 %); a bad message near the broker's 1 MB limit gives a dead letter the "
-    "broker rejects (MessageSizeTooLargeError) and _window retries the window forever: the "
-    "partition stalls and the window's valid queries are re-produced on each retry. Fix: "
-    "truncate raw in the dead letter (keep size + sha256) and never retry a window for a "
-    "deterministic error",
-    strict=False,
-)
+# Found by this test (the dead letter of a ~1 MB bad message exceeded the broker's limit and
+# the window was retried forever); fixed in d2e156c (dead letters keep at most 256 KiB).
 async def test_near_max_bad_message_does_not_stall_the_router(rig: Rig, tmp_path: Path) -> None:
     """A bad message just under the broker's size limit: its dead letter (base64, +33%) is
     larger than the broker accepts. It must still be answered, and the stream must go on."""
@@ -450,12 +443,10 @@ async def test_near_max_bad_message_does_not_stall_the_router(rig: Rig, tmp_path
             routed = sum(1 for q in ids if q in reader.tally.routed)
             copies = sum(len(reader.tally.routed.get(q, [])) for q in ids)
             pytest.fail(
-                f"{exc}: {routed}/50 later queries routed, in {copies} route messages. "
-                "streams/service.py RouterService._dead_letter wraps the whole raw message in "
-                "base64 (+33%), so a bad message near the broker's 1 MB limit gives a dead "
-                "letter the broker rejects (MessageSizeTooLargeError); _window retries the "
-                "whole window forever, re-producing its routed queries each time (dedupe has "
-                "no routed mark yet), and the partition stalls. Router log tail:\n"
+                f"{exc}: {routed}/50 later queries routed, in {copies} route messages. Was "
+                "the dead letter of a bad message near the broker's 1 MB limit rejected "
+                "(MessageSizeTooLargeError) and its window retried forever? (once the case: "
+                "streams/service.py RouterService._dead_letter, fixed in d2e156c) Router log:\n"
                 f"{rig.router.tail(800)}"
             )
         lost, twice = reader.tally.ids_routed(ids)
