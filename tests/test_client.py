@@ -8,7 +8,7 @@ import time
 import uuid
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from schemas import Query, Result
 from switchyard import topics
@@ -36,8 +36,9 @@ async def test_submit_and_collect_results(kafka_bootstrap: str) -> None:
             consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False)
             await consumer.start()
             try:
-                parts = consumer.partitions_for_topic(topics.QUERIES) or {0}
-                tps = [TopicPartition(topics.QUERIES, p) for p in parts]
+                tps = await topics.partitions(
+                    {"bootstrap_servers": kafka_bootstrap}, [topics.QUERIES]
+                )
                 consumer.assign(tps)
                 await consumer.seek_to_beginning(*tps)
                 seen: set[str] = set()

@@ -153,8 +153,7 @@ async def _read_topic(
     await consumer.start()
     out: list[Any] = []
     try:
-        parts = consumer.partitions_for_topic(topic) or {0}
-        consumer.assign([TopicPartition(topic, p) for p in parts])
+        consumer.assign(await topics.partitions({"bootstrap_servers": bootstrap}, [topic]))
         await consumer.seek_to_beginning()
         async with asyncio.timeout(timeout_s):
             while not enough(out):
