@@ -48,6 +48,7 @@ def _reject(msg: Hostile) -> str:
     pytest.fail(f"{msg.kind}: accepted a hostile message as {query!r:.200} (raw {msg.raw!r:.200})")
 
 
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # huge reprs
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(parse_bad_messages(include_huge=False))
 def test_every_bad_message_is_rejected_with_a_reason(msg: Hostile) -> None:
