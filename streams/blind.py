@@ -17,8 +17,11 @@ this ledger instead of Redis:
 
 Everything routed blind is recorded and written to Redis before normal routing resumes
 (``flush``): the dedupe entries and routed marks, the budget reservations (same worst-case
-amounts; idempotent per id) and the capacity slots (skipped for queries whose result is
-already published, so a finished query does not hold a slot until its lease runs out).
+amounts; idempotent per id) and the capacity slots of the blind queries the instance's
+worker reports as residents (running or queued there; it frees their slots when they
+finish). Blind queries that finished while Redis was away (their worker could not write
+that) get no slot, or it would be held until its lease ran out, and blind queries still
+in Kafka get none either: capacity is undercounted by those for a while after an outage.
 Allowances and slot estimates are only ever lowered until Redis is read again, so an
 outage that comes and goes never hands out the same remaining budget twice.
 
@@ -203,7 +206,8 @@ class BlindLedger:
                         t.period_id,
                     )
         for instance_id, qids in self._slots.items():
-            running = [q for q in qids if not await state.has_result(q)]
+            resident = {r.query_id for r in await state.residents(instance_id)}
+            running = [q for q in qids if q in resident]
             cap = cluster.model_of(instance_id).max_concurrency
             if running:
                 await state.reserve_slots(instance_id, cap, running, lease_s=lease_s)

@@ -509,8 +509,8 @@ class RouterService:
                 continue
             reason = lost.get(q.id) or d.reason or f"router decided {d.status.value}"
             status = DecisionStatus.DEFERRED if q.id in lost else d.status
-            # a query short of the *blind* allowance waits for Redis like one short of slots
-            paced = "budget" in reason.lower() and not (blind and q.id in lost)
+            # while blind a short budget is the blind allowance's: wait for Redis like for slots
+            paced = "budget" in reason.lower() and not blind
             limit_s = self.config.budget_hold_s if paced else self.config.max_hold_s
             if now - p.first_seen_s < limit_s:
                 self._hold_quietly(p, outs, now, reason, d, pid)

@@ -44,6 +44,11 @@ def spec(max_concurrency: int = 4, budget_usd: float = 1.0) -> ClusterConfig:
 
 
 @dataclass
+class Resident:
+    query_id: str
+
+
+@dataclass
 class Live:
     slots_used: int
     alive: bool = True
@@ -108,8 +113,8 @@ class FakeState:
         self.calls.append(("budget", tenant, period, limit, dict(amounts)))
         return {q: True for q in amounts}
 
-    async def has_result(self, qid: str) -> bool:
-        return qid in self.done
+    async def residents(self, iid: str) -> list[Any]:
+        return [Resident(q) for q in ("q2", "other") if q not in self.done]
 
     async def reserve_slots(
         self, iid: str, cap: int, qids: list[str], lease_s: float | None
@@ -143,7 +148,7 @@ async def test_flush_writes_what_was_done_blind_and_keeps_it_on_failure() -> Non
     assert await b.flush(st, c, 600.0, 3600.0) == 0
     assert st.calls == [
         ("budget", "default", "p1", 1.0, {"q1": 0.1, "q2": 0.2}),
-        ("slots", "i-a", 4, ["q2"]),  # q1 already has a result: it holds no slot
+        ("slots", "i-a", 4, ["q2"]),  # q1 is no resident (finished): it holds no slot
         ("dedupe", [("q1", "s1"), ("q2", "s2")]),
         ("marks", {"q1": "i-a", "q2": "i-a"}),
     ]
