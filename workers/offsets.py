@@ -5,6 +5,12 @@ offset ``o`` tells Kafka that everything before ``o`` is done, so the committabl
 a partition is its lowest unfinished offset (or one past the highest seen when none is
 unfinished). A message that never finishes (its result could not be published) holds the
 partition's commit back, so it is re-delivered after a restart: at-least-once.
+
+The same offset can be in flight twice: after a group re-join the consumer re-fetches from
+the last commit while the first copy still runs. Offsets are therefore counted, not just
+marked: the re-fetched copy finishing (skipped as a duplicate) must not release the offset
+that the first copy still holds, or the commit would pass a query whose result may never
+be published (lost across a broker restart in the faults suite).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ P = TypeVar("P")  # aiokafka.TopicPartition in the worker; anything hashable in 
 
 @dataclass
 class _Partition:
-    unfinished: set[int] = field(default_factory=set)
+    unfinished: dict[int, int] = field(default_factory=dict)  # offset -> copies in flight
     highest: int = -1
     committed: int = -1
 
@@ -28,13 +34,18 @@ class OffsetTracker(Generic[P]):
 
     def started(self, tp: P, offset: int) -> None:
         part = self._parts.setdefault(tp, _Partition())
-        part.unfinished.add(offset)
+        part.unfinished[offset] = part.unfinished.get(offset, 0) + 1
         part.highest = max(part.highest, offset)
 
     def finished(self, tp: P, offset: int) -> None:
         part = self._parts.get(tp)
-        if part is not None:
-            part.unfinished.discard(offset)
+        if part is None:
+            return
+        left = part.unfinished.get(offset, 0) - 1
+        if left > 0:
+            part.unfinished[offset] = left
+        else:
+            part.unfinished.pop(offset, None)
 
     def committable(self) -> dict[P, int]:
         """Offsets to commit now (next offset to read), only where they moved since ``committed``."""
@@ -56,4 +67,4 @@ class OffsetTracker(Generic[P]):
             self._parts.pop(tp, None)
 
     def unfinished(self) -> int:
-        return sum(len(p.unfinished) for p in self._parts.values())
+        return sum(sum(p.unfinished.values()) for p in self._parts.values())

@@ -38,6 +38,20 @@ def test_offsets_commit_only_past_finished_prefix() -> None:
     assert t.committable() == {}
 
 
+def test_a_refetched_copy_finishing_does_not_release_the_running_one() -> None:
+    """After a group re-join the same offset is fetched again while its first copy runs;
+    the copy is skipped as a duplicate, but the offset stays held until the first ends."""
+    t: OffsetTracker[str] = OffsetTracker()
+    for off in (5, 6):
+        t.started("p0", off)
+    t.started("p0", 5)  # re-fetched
+    t.finished("p0", 6)
+    t.finished("p0", 5)  # the skipped copy
+    assert t.committable() == {"p0": 5} and t.unfinished() == 1
+    t.finished("p0", 5)  # the first copy published its result
+    assert t.committable() == {"p0": 7} and t.unfinished() == 0
+
+
 @given(st.permutations(list(range(30))), st.integers(min_value=0, max_value=30))
 def test_offsets_never_commit_an_unfinished_message(order: list[int], n_done: int) -> None:
     t: OffsetTracker[int] = OffsetTracker()
