@@ -157,6 +157,7 @@ class RouterService:
         self._last_window_s = time.time()
         self._arrivals: dict[str, float] = {}
         self._blind = BlindLedger(config.blind_budget_fraction)
+        self._blind_logged = False
 
     # ------------------------------------------------------------------ entry points
 
@@ -219,7 +220,9 @@ class RouterService:
                     raise
                 # Redis is away: nothing was produced yet; route this window blind instead
                 self.metrics.errors.labels(type(exc).__name__).inc()
-                log.warning("Redis unreachable, routing %d queries blind: %s", len(items), exc)
+                if not self._blind_logged:  # once per outage, not once per window
+                    log.warning("Redis unreachable, routing blind until it answers: %s", exc)
+                self._blind_logged = True
                 blind, outcome = True, WindowOutcome()
                 outs, routed_marks, latencies, still_held = [], {}, [], []
                 candidates = held + await self._validate_and_dedupe(
@@ -243,6 +246,8 @@ class RouterService:
                     self._blind.routed(routed_marks, shas)
                 else:
                     self._blind.remember(shas)
+            if not blind:
+                self._blind_logged = False
         except Exception as exc:
             kind = type(exc).__name__
             self.metrics.errors.labels(kind).inc()
