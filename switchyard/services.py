@@ -171,8 +171,29 @@ def kafka_up(
 
     With ``sasl_port`` a second listener ``SASL_PLAINTEXT`` is opened with SCRAM users
     created at format time (``StorageTool format --add-scram``); with ``tls_port`` and
-    ``tls`` a ``SASL_SSL`` listener (SCRAM over TLS, PEM keystore) as well.
+    ``tls`` a ``SASL_SSL`` listener (SCRAM over TLS, PEM keystore) as well. Without an
+    explicit ``port``, a broker that lost a race for its port is started again on a free one.
     """
+    tries = 1 if port else 3
+    for attempt in range(tries):
+        try:
+            return _kafka_up_once(port, home, sasl_port, scram_users, tls_port, tls, timeout_s)
+        except ServiceError:
+            if attempt == tries - 1:
+                raise
+            port = free_port()
+    raise AssertionError("unreachable")
+
+
+def _kafka_up_once(
+    port: int | None,
+    home: Path | None,
+    sasl_port: int | None,
+    scram_users: list[ScramUser] | None,
+    tls_port: int | None,
+    tls: TlsFiles | None,
+    timeout_s: float,
+) -> ServiceRecord:
     name = "kafka"
     existing = load_records(home).get(name)
     if existing and existing.alive():
@@ -265,7 +286,7 @@ def kafka_up(
         if child.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:]
             raise ServiceError(f"Kafka broker exited with {child.returncode}:\n{tail}")
-        if kafka_ready(rec.address):
+        if kafka_ready(rec.address, cluster_id=cluster_id):
             return rec
         time.sleep(0.5)
     stop_record(rec, home)
@@ -282,8 +303,9 @@ def base64_uuid() -> str:
             return cid
 
 
-def kafka_ready(bootstrap: str, timeout_s: float = 5.0) -> bool:
-    """A real metadata round trip through aiokafka."""
+def kafka_ready(bootstrap: str, timeout_s: float = 5.0, cluster_id: str | None = None) -> bool:
+    """A real metadata round trip through aiokafka; with ``cluster_id``, only our broker counts
+    (another broker that won a race for the same port must not pass for ours)."""
     import logging
 
     from aiokafka.admin import AIOKafkaAdminClient
@@ -296,8 +318,8 @@ def kafka_ready(bootstrap: str, timeout_s: float = 5.0) -> bool:
         )
         try:
             await asyncio.wait_for(admin.start(), timeout_s)
-            await asyncio.wait_for(admin.describe_cluster(), timeout_s)
-            return True
+            info = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
+            return cluster_id is None or info.get("cluster_id") == cluster_id
         except Exception:
             return False
         finally:
@@ -396,7 +418,7 @@ def redis_up(
             raise ServiceError(
                 f"redis-server exited with {child.returncode}:\n{log.read_text()[-2000:]}"
             )
-        version = redis_version(rec.address, password=password, tls=tls)
+        version = redis_version(rec.address, password=password, tls=tls, pid=child.pid)
         if version:
             rec.version = version
             _save(rec, home)
@@ -406,7 +428,10 @@ def redis_up(
     raise ServiceError(f"redis-server not answering PING after {timeout_s:.0f} s; see {log}")
 
 
-def redis_version(url: str, password: str | None = None, tls: TlsFiles | None = None) -> str | None:
+def redis_version(
+    url: str, password: str | None = None, tls: TlsFiles | None = None, pid: int | None = None
+) -> str | None:
+    """The server's version, or None if it does not answer (or, with ``pid``, is not that process)."""
     import redis
 
     kwargs: dict[str, Any] = {"socket_timeout": 2, "password": password}
@@ -416,6 +441,8 @@ def redis_version(url: str, password: str | None = None, tls: TlsFiles | None = 
         client = redis.Redis.from_url(url, **kwargs)
         info = client.info("server")
         client.close()
+        if pid is not None and int(info.get("process_id", -1)) != pid:
+            return None
         return str(info.get("redis_version"))
     except Exception:
         return None
