@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy --strict schemas/
+	$(BIN)/mypy --strict schemas/ routing/
 
 # Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and stops).
 test: lint
