@@ -34,13 +34,14 @@ class SpreadRouter:
         window = budget.window_usd
         out: list[Decision] = []
         for q in queries:
-            choices = sorted(instances, key=lambda v: -free[v.instance_id])
+            choices = sorted(instances, key=lambda v: self._rank(v, free))
             chosen = choices[0] if choices and free[choices[0].instance_id] > 0 else None
             if chosen is None:
                 out.append(self._deferred(q, now, "no free slot"))
                 continue
             model = self.cluster.model(chosen.model)
-            cost = model.cost_usd(q.estimated_prompt_tokens(), OUTPUT_TOKENS)
+            output = self._output_tokens(q)
+            cost = model.cost_usd(q.estimated_prompt_tokens(), output)
             if cost > left.get(q.tenant, float("inf")) or cost > window:
                 out.append(self._deferred(q, now, "window budget"))
                 continue
@@ -63,11 +64,17 @@ class SpreadRouter:
                     flags=flags,
                     predicted_cost_usd=cost,
                     predicted_ttft_ms=10.0,
-                    predicted_output_tokens=OUTPUT_TOKENS,
+                    predicted_output_tokens=output,
                     decided_at=now,
                 )
             )
         return out
+
+    def _rank(self, v: InstanceView, free: dict[str, int]) -> tuple[int | str, ...]:
+        return (-free[v.instance_id],)  # most free slots first; ties keep cluster order
+
+    def _output_tokens(self, q: Query) -> int:
+        return OUTPUT_TOKENS
 
     def _deferred(self, q: Query, now: float, reason: str) -> Decision:
         return Decision(
