@@ -49,6 +49,7 @@ SCRIPTS = (
     "settle",
     "dedupe",
     "mark_routed",
+    "mark_intent",
     "snapshot",
     "residents_sync",
 )
@@ -122,6 +123,15 @@ class ResultMark:
 class DedupeEntry:
     body_sha256: str
     routed_to: str | None
+    intent: RouteIntent | None = None
+
+
+@dataclass(frozen=True)
+class RouteIntent:
+    """Where a router was sending a query, and the exact decision, before Kafka acknowledged it."""
+
+    instance_id: str
+    decision_json: str
 
 
 def period_id(now_s: float, period_s: float) -> str:
@@ -559,6 +569,41 @@ class StateStore:
         ]
         return sum(int(r) for r in await self._script_many("mark_routed", calls))
 
+    async def mark_intent_many(self, intents: Mapping[str, RouteIntent]) -> int:
+        """Record each query's route intent before producing it; returns how many were marked.
+
+        A router killed between producing and ``mark_routed_many`` leaves the intent behind;
+        its successor re-sends that decision to that instance (``intents``) rather than
+        deciding again, so a query is never routed to two instances.
+        """
+        if not intents:
+            return 0
+        groups: dict[int, list[tuple[str, str]]] = {}
+        for qid, intent in intents.items():
+            self.keys.heartbeat(intent.instance_id)  # validates the id
+            payload = f"{intent.instance_id}\n{intent.decision_json}"
+            groups.setdefault(dedupe_bucket(qid), []).append((qid, payload))
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
+            ([self.keys.dedupe(q) for q, _ in rows], [p for _, p in rows])
+            for rows in groups.values()
+        ]
+        return sum(int(r) for r in await self._script_many("mark_intent", calls))
+
+    async def intents(self, query_ids: Sequence[str]) -> dict[str, RouteIntent]:
+        """The recorded route intent of each query that has one (one pipelined round trip)."""
+        if not query_ids:
+            return {}
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        for qid in query_ids:
+            pipe.hget(self.keys.dedupe(qid), "intent")
+        replies = cast(list[Any], await self._call("intents", pipe.execute()))
+        out: dict[str, RouteIntent] = {}
+        for qid, raw in zip(query_ids, replies, strict=True):
+            intent = _route_intent(raw)
+            if intent is not None:
+                out[qid] = intent
+        return out
+
     async def mark_routed(self, query_id: str, instance_id: str) -> bool:
         """Record where a deduped query went (after its routed message was acknowledged)."""
         return await self.mark_routed_many({query_id: instance_id}) == 1
@@ -570,7 +615,7 @@ class StateStore:
         )
         if not raw or "sha" not in raw:
             return None
-        return DedupeEntry(raw["sha"], raw.get("routed") or None)
+        return DedupeEntry(raw["sha"], raw.get("routed") or None, _route_intent(raw.get("intent")))
 
     async def forget(self, query_id: str) -> None:
         """Drop a query's dedupe entry (its routing failed and it will be retried as new)."""
@@ -822,3 +867,11 @@ def _residents_of(raw: Mapping[str, str]) -> list[ResidentRequest]:
     rs = [r for qid, text in raw.items() if (r := _decode_resident(qid, text)) is not None]
     rs.sort(key=lambda r: (r.arrived_at, r.query_id))
     return rs
+
+
+def _route_intent(raw: str | None) -> RouteIntent | None:
+    """Parse a dedupe entry's ``intent`` field ("<instance id>\\n<decision json>")."""
+    if not raw or "\n" not in raw:
+        return None
+    instance_id, decision_json = raw.split("\n", 1)
+    return RouteIntent(instance_id, decision_json) if instance_id and decision_json else None

@@ -14,10 +14,12 @@ at-least-once mode and make redelivery harmless instead:
 - queries held for a later window get an extra reference (``message.incref``) so their
   offsets stay uncommitted until they are finished;
 - Redis dedupe remembers where each query id was routed: a redelivered query that was
-  already routed is dropped; one that was not is routed again, and its budget and slot
-  reservations are idempotent per query id (never paid or slotted twice). The only
-  window for a double *route* is a crash between Kafka's ack and the Redis mark (one
-  round trip); workers drop such duplicates by query id before running them.
+  already routed is dropped. Before producing, the router records each query's route
+  intent (instance and the exact decision) in the same entry; a query redelivered after a
+  crash between that and the final mark is sent again, unchanged, to the same instance,
+  whose worker drops the second copy by query id. A query with neither mark is decided
+  again; its budget and slot reservations are idempotent per query id (never paid or
+  slotted twice).
 """
 
 from __future__ import annotations

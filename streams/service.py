@@ -6,12 +6,15 @@
    its raw bytes, the reason, topic, partition and offset; the window goes on;
 2. dedupes by query id in Redis (body SHA-256, TTL): a conflicting body is dead-lettered;
    a duplicate already routed is dropped; a duplicate not yet routed is a redelivery
-   (the previous router died before finishing) and is routed again — the Redis
-   reservations are idempotent per query id, so it is never paid or slotted twice;
+   (the previous router died before finishing). If that router had recorded its route
+   intent (step 5), the same decision is sent again to the same instance, whose worker
+   drops a second copy; otherwise the query is decided again — the Redis reservations
+   are idempotent per query id, so it is never paid or slotted twice;
 3. reads every instance's snapshot in one pipelined call and builds the views;
 4. calls ``Router.decide`` once for the window (the service has no routing logic);
 5. reserves budget (per tenant) and capacity (per instance) atomically in Redis — a
-   reservation lost to another router sends the query to the next window;
+   reservation lost to another router sends the query to the next window — and records
+   each routed query's intent (instance and decision) in its dedupe entry;
 6. produces ``RoutedQuery`` to ``route.<instance>`` and a ``Decision`` to ``decisions``,
    and waits until Kafka acknowledged all of them. Only then does it return, and only
    then does the Faust adapter acknowledge the input offsets, so a crash at any point
@@ -50,7 +53,7 @@ from schemas import (
     Result,
     parse_query,
 )
-from state.store import StateUnavailable
+from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
@@ -123,6 +126,7 @@ class WindowOutcome:
     dead_letters: int = 0
     final_errors: int = 0
     dropped_duplicates: int = 0
+    resent: int = 0  # redelivered queries whose crashed router's decision was sent again
 
 
 class RouterService:
@@ -210,7 +214,9 @@ class RouterService:
                 await self._blind.flush(
                     self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
                 )
-                candidates = held + await self._validate_and_dedupe(batch_items, outs, outcome)
+                candidates = held + await self._validate_and_dedupe(
+                    batch_items, outs, outcome, routed_marks=routed_marks
+                )
                 if candidates:
                     await self._route(
                         candidates, outs, outcome, routed_marks, latencies, still_held
@@ -302,6 +308,7 @@ class RouterService:
         outs: list[tuple[str, bytes, bytes]],
         outcome: WindowOutcome,
         blind: bool = False,
+        routed_marks: dict[str, str] | None = None,
     ) -> list[Pending]:
         now = time.time()
         valid: list[Pending] = []
@@ -333,8 +340,21 @@ class RouterService:
             verdicts = [(self._blind.verdict(p.query.id, p.sha), "-") for p in valid]
         else:
             verdicts = await self._dedupe(valid)
+        # a duplicate never marked routed: its router died after deciding it; if that router
+        # recorded its intent, the same decision goes to the same instance again (no re-decide)
+        unmarked = [
+            p.query.id
+            for p, (verdict, routed_to) in zip(valid, verdicts, strict=True)
+            if verdict == "duplicate" and not routed_to
+        ]
+        intents = await self.state.intents(unmarked) if unmarked and not blind else {}
         kept: list[Pending] = []
         for p, (verdict, routed_to) in zip(valid, verdicts, strict=True):
+            intent = intents.get(p.query.id)
+            if intent is not None and routed_marks is not None:
+                self._resend(p, intent, outs, routed_marks)
+                outcome.resent += 1
+                continue
             if verdict == "conflict":
                 self._dead_letter(
                     outs,
@@ -351,6 +371,27 @@ class RouterService:
             else:
                 kept.append(p)
         return kept
+
+    def _resend(
+        self,
+        p: Pending,
+        intent: RouteIntent,
+        outs: list[tuple[str, bytes, bytes]],
+        routed_marks: dict[str, str],
+    ) -> None:
+        """Produce again exactly what a crashed router produced (or was producing) for ``p``.
+
+        Its budget and slot were reserved before the intent was recorded, so nothing is
+        reserved again. If the first copy did reach ``route.<instance>``, the worker there
+        drops the second by query id (``workers.worker``: running or answered).
+        """
+        dec_json = intent.decision_json.encode()
+        routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
+        key = p.query.id.encode()
+        outs.append((topics.route(intent.instance_id), key, routed))
+        outs.append((topics.DECISIONS, key, dec_json))
+        routed_marks[p.query.id] = intent.instance_id
+        self.metrics.decisions.labels("resent").inc()
 
     async def _dedupe(self, pending: list[Pending]) -> list[tuple[str, str]]:
         """(verdict, routed-to or '') per query, one pipelined round trip for the window."""
@@ -493,6 +534,7 @@ class RouterService:
         for (tenant, period), qids in released.items():
             await self.state.release_budget(tenant, period, qids)
 
+        intents: dict[str, RouteIntent] = {}
         for p, d in zip(candidates, decisions, strict=True):
             q = p.query
             pid = period_ids.get(q.tenant)
@@ -508,6 +550,7 @@ class RouterService:
                 outs.append((topics.route(instance_id), key, routed))
                 outs.append((topics.DECISIONS, key, dec_json))
                 routed_marks[q.id] = instance_id
+                intents[q.id] = RouteIntent(instance_id, dec_json.decode())
                 latencies.append(p.inbound)
                 outcome.routed += 1
                 self._count_routed(d, q)
@@ -525,6 +568,9 @@ class RouterService:
                 p, d, status, f"gave up after {limit_s:g} s: {reason}", now, pid, outs, routed_marks
             )
             outcome.final_errors += 1
+        if intents and not blind:
+            # before anything is produced: a successor re-sends these rather than re-deciding
+            await self.state.mark_intent_many(intents)
 
     def _give_up(
         self,

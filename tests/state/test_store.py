@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from schemas import ResidentRequest
-from state import NANO_PER_USD, ResultMark, StateStore, StateUnavailable, period_id
+from state import NANO_PER_USD, ResultMark, RouteIntent, StateStore, StateUnavailable, period_id
 
 pytestmark = pytest.mark.integration
 
@@ -269,6 +269,34 @@ async def test_dedupe_verdicts(stores: list[StateStore]) -> None:
     assert not await s.mark_routed("never-seen", "gpu-1")
 
 
+async def test_route_intent_is_kept_until_routed_and_never_overwrites_a_mark(
+    stores: list[StateStore],
+) -> None:
+    s = stores[0]
+    body = hashlib.sha256(b'{"id":"i1"}').hexdigest()
+    for qid in ("i1", "i2", "i3"):
+        await s.dedupe(qid, body, ttl_s=60)
+    await s.mark_routed("i3", "gpu-9")  # already routed: its intent is not recorded
+    decision = '{"query_id":"i1","status":"routed","instance_id":"gpu-1"}'
+    n = await s.mark_intent_many(
+        {
+            "i1": RouteIntent("gpu-1", decision),
+            "i2": RouteIntent("gpu-2", "{}\n{}"),  # newlines in the decision survive
+            "i3": RouteIntent("gpu-1", "{}"),
+            "never-seen": RouteIntent("gpu-1", "{}"),
+        }
+    )
+    assert n == 2
+    got = await stores[1].intents(["i1", "i2", "i3", "never-seen"])
+    assert got == {"i1": RouteIntent("gpu-1", decision), "i2": RouteIntent("gpu-2", "{}\n{}")}
+    entry = await s.dedupe_entry("i1")
+    assert entry is not None and entry.intent == RouteIntent("gpu-1", decision)
+    assert entry.routed_to is None
+    assert await s.intents([]) == {}
+    with pytest.raises(ValueError, match="instance id"):
+        await s.mark_intent_many({"i1": RouteIntent("bad id", "{}")})
+
+
 async def test_mark_result_first_time_only_and_attempts(stores: list[StateStore]) -> None:
     firsts = await asyncio.gather(
         *(x.mark_result("r1", ttl_s=60, cost_usd=0.0123) for x in stores * 10)
@@ -374,11 +402,12 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
     await s.release_budget("t", p, ["r"])
     await s.settle("t", p, "q", 0.05)
     await s.dedupe_many([(f"d{i}", "ab" * 32) for i in range(50)], 60)
+    await s.mark_intent_many({f"d{i}": RouteIntent("i", "{}") for i in range(50)})
     await s.mark_routed_many({f"d{i}": "i" for i in range(50)})
     names = {name for name, _ in seen}
     assert names >= {"heartbeat", "resident_add", "resident_progress", "resident_done", "snapshot",
                      "reserve_slots", "reserve_budget", "release_budget", "settle", "dedupe",
-                     "mark_routed", "residents_reconcile"}  # fmt: skip
+                     "mark_routed", "mark_intent", "residents_reconcile"}  # fmt: skip
     bad = [(name, t) for name, t in seen if len(t) != 1]
     assert not bad, f"script calls spanning several hash slots: {bad}"
 

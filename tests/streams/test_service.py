@@ -14,7 +14,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -180,6 +180,49 @@ async def test_redelivery_is_routed_once_and_paid_once(env, kafka_bootstrap: str
     assert sorted(routed) == [f"{rid}-1", f"{rid}-2"]
     status = await store.budget_status("default", period_id(time.time(), 86400))
     assert status.n_reserved == 2
+
+
+class _DiesBeforeMarking(RouterService):
+    """A router killed after Kafka acknowledged its window and before the Redis mark."""
+
+    async def _mark_routed(self, marks: Mapping[str, str]) -> None:
+        return None
+
+
+async def test_redelivery_after_a_crash_goes_to_the_same_instance_unchanged(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    since = int(time.time() * 1000)
+    spec = cluster(rid)
+    from tests.streams.fake_router import SpreadRouter
+
+    dead = _DiesBeforeMarking(spec, SpreadRouter(spec), store, BatchSink(producer),
+                              RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+    raws = [body(f"{rid}-c{k}") for k in range(4)]
+    first, _ = await dead.handle([Inbound(r, "queries", 0, k) for k, r in enumerate(raws)])
+    assert first.routed == 4
+    # the successor (a fresh process) gets the window again; the other instance is now
+    # emptier, so deciding again would send some of them there
+    successor = make_service(rid, store, producer)
+    again, _ = await successor.handle([Inbound(r, "queries", 0, k) for k, r in enumerate(raws)])
+    assert (again.resent, again.routed, again.dropped_duplicates) == (4, 0, 0)
+    third, _ = await make_service(rid, store, producer).handle([Inbound(raws[0], "queries", 0, 0)])
+    assert third.dropped_duplicates == 1 and third.resent == 0  # marked routed by the successor
+    where = [await store.dedupe_entry(f"{rid}-c{k}") for k in range(4)]
+    copies: dict[str, set[tuple[str, bytes]]] = {}
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        want = 2 * sum(1 for e in where if e is not None and e.routed_to == iid)
+        for _, v in await read_topic(
+            kafka_bootstrap, topics.route(iid), since, lambda got, want=want: len(got) >= want
+        ):
+            rq = RoutedQuery.model_validate_json(v)
+            copies.setdefault(rq.query.id, set()).add((iid, rq.decision.model_dump_json().encode()))
+    assert sorted(copies) == [f"{rid}-c{k}" for k in range(4)]
+    assert all(len(c) == 1 for c in copies.values()), f"a query went two ways: {copies}"
+    status = await store.budget_status("default", period_id(time.time(), 86400))
+    assert status.n_reserved == 4
 
 
 async def test_full_instances_hold_queries_until_a_slot_frees(env) -> None:  # type: ignore[no-untyped-def]
