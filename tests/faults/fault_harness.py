@@ -360,10 +360,26 @@ class TopicTally:
     unparsable: Counter[str] = field(default_factory=Counter)
 
     def ids_routed(self, ids: Iterable[str]) -> tuple[set[str], set[str]]:
-        """(lost, routed twice) among ``ids`` by the route.* topics."""
+        """(lost, routed twice) among ``ids`` by the route.* topics.
+
+        Routed twice: two different routings (another instance, or another decision). The
+        same decision sent again to the same instance (a router's re-send after a crash) is
+        one routing delivered twice; the worker drops the copy (``resent_copies`` counts them).
+        """
         lost = {q for q in ids if q not in self.routed}
-        twice = {q for q, seen in self.routed.items() if len(seen) > 1}
+        twice = {q for q in self.routed if len(self.routings(q)) > 1}
         return lost, twice
+
+    def routings(self, qid: str) -> set[tuple[str, str]]:
+        """The distinct (route topic, decision) pairs ``qid`` was sent with."""
+        return {
+            (topic, json.dumps(body.get("decision"), sort_keys=True))
+            for topic, body in self.routed.get(qid, [])
+        }
+
+    def resent_copies(self, ids: Iterable[str]) -> int:
+        """Route messages beyond the first of each routing: identical re-sends."""
+        return sum(len(self.routed.get(q, [])) - len(self.routings(q)) for q in ids)
 
     def ok_routed_decisions(self, qid: str) -> list[dict[str, Any]]:
         return [d for d in self.decisions.get(qid, []) if d.get("status") == "routed"]
