@@ -236,7 +236,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="vendored dc9 only (40% of it), < 60 s")
+    ap.add_argument("--quick", action="store_true", help="vendored dc9 only (40%% of it), < 60 s")
     ap.add_argument("--estimators", default="knn,gbdt,irt")
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--level", type=float, default=0.9)

@@ -265,7 +265,7 @@ def main() -> int:
         "--latency-rate",
         type=float,
         default=0.0,
-        help="offered rate of the latency phase (0: 30% of the measured throughput)",
+        help="offered rate of the latency phase (0: 30%% of the measured throughput)",
     )
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args)), indent=None))
