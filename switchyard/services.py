@@ -13,6 +13,7 @@ pid still runs the command it was recorded with.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -328,7 +329,13 @@ def kafka_ready(bootstrap: str, timeout_s: float = 5.0, cluster_id: str | None =
             except Exception:
                 pass
 
-    return asyncio.run(probe())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(probe())
+    # called from async code (a benchmark, a test): the probe gets its own loop in a thread
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kafka-ready") as pool:
+        return pool.submit(asyncio.run, probe()).result()
 
 
 # --------------------------------------------------------------------------- Redis

@@ -80,3 +80,11 @@ async def test_redis_round_trip_and_lua(redis_url: str) -> None:
     finally:
         await client.delete(key)
         await client.aclose()
+
+
+async def test_kafka_ready_works_from_async_code(kafka_bootstrap: str) -> None:
+    """The launcher's readiness probe is called from benchmarks running in an event loop."""
+    from switchyard import services
+
+    assert services.kafka_ready(kafka_bootstrap)
+    assert not services.kafka_ready(f"127.0.0.1:{services.free_port()}", timeout_s=1.0)
