@@ -292,6 +292,9 @@ async def test_route_intent_is_kept_until_routed_and_never_overwrites_a_mark(
     entry = await s.dedupe_entry("i1")
     assert entry is not None and entry.intent == RouteIntent("gpu-1", decision)
     assert entry.routed_to is None
+    assert await s.mark_routed("i1", "gpu-1")  # routed for good: the intent is dropped
+    entry = await s.dedupe_entry("i1")
+    assert entry is not None and entry.intent is None and entry.routed_to == "gpu-1"
     assert await s.intents([]) == {}
     with pytest.raises(ValueError, match="instance id"):
         await s.mark_intent_many({"i1": RouteIntent("bad id", "{}")})
