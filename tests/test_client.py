@@ -53,9 +53,19 @@ async def test_submit_and_collect_results(kafka_bootstrap: str) -> None:
                             if q.id.startswith(f"c-{tag}-") and q.id not in seen:
                                 assert rec.key == q.id.encode()
                                 seen.add(q.id)
-                                await producer.send(topics.RESULTS, _result(q.id, f"answer {q.id}"))
+                                # keyed by query id, as workers publish them: copies of one
+                                # id share a partition, so the first answer is read first
+                                await producer.send(
+                                    topics.RESULTS,
+                                    _result(q.id, f"answer {q.id}"),
+                                    key=q.id.encode(),
+                                )
                 await producer.send(topics.RESULTS, b"{not a result")
-                await producer.send_and_wait(topics.RESULTS, _result(queries[0].id, "second copy"))
+                await producer.send_and_wait(
+                    topics.RESULTS,
+                    _result(queries[0].id, "second copy"),
+                    key=queries[0].id.encode(),
+                )
             finally:
                 await consumer.stop()
 
