@@ -35,6 +35,7 @@ import faust
 
 from routing.types import Router
 from schemas import ClusterConfig
+from streams.ledger_rebuild import LedgerGuard, kafka_scan
 from streams.metrics import RouterMetrics
 from streams.service import Inbound, RouterConfig, RouterService
 from switchyard import topics
@@ -192,7 +193,7 @@ class RouterApp:
             if self.service is None:
                 from aiokafka import AIOKafkaProducer
 
-                from state import StateStore, period_id
+                from state import StateStore, StateUnavailable, period_id
 
                 store = await StateStore.connect(**self.settings.redis_kwargs())
                 producer = AIOKafkaProducer(
@@ -204,6 +205,17 @@ class RouterApp:
                     max_request_size=8 * 1024 * 1024,
                 )
                 await producer.start()
+                guard = LedgerGuard(
+                    self.cluster,
+                    kafka_scan(
+                        self.settings.kafka_kwargs(client_id=f"{self.app.conf.id}-ledger-rebuild")
+                    ),
+                    period_id,
+                )
+                try:  # a missing ledger starts rebuilding now, before the first window
+                    await guard.ready(store)
+                except StateUnavailable as exc:
+                    log.warning("could not check the budget ledger in Redis yet: %s", exc)
                 self.service = RouterService(
                     self.cluster,
                     self.router,
@@ -214,6 +226,7 @@ class RouterApp:
                     on_done=self.acker.finished,
                     keep=self.acker.keep,
                     period_id=period_id,
+                    ledger_guard=guard,
                 )
             return self.service
 
