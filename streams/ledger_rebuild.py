@@ -236,12 +236,10 @@ def kafka_scan(kafka_kwargs: Mapping[str, Any], timeout_s: float = 600.0) -> Sca
         await consumer.start()
         n = 0
         try:
-            existing = await consumer.topics()
             tps = [
                 TopicPartition(topic, p)
-                for topic in since_by_topic
-                if topic in existing
-                for p in sorted(consumer.partitions_for_topic(topic) or ())
+                for topic, parts in (await _partitions(kafka_kwargs, list(since_by_topic))).items()
+                for p in sorted(parts)
             ]
             if not tps:
                 return 0
@@ -278,3 +276,22 @@ def kafka_scan(kafka_kwargs: Mapping[str, Any], timeout_s: float = 600.0) -> Sca
             await consumer.stop()
 
     return scan
+
+
+async def _partitions(kafka_kwargs: Mapping[str, Any], names: list[str]) -> dict[str, set[int]]:
+    """Partition ids of each topic that exists (a topic never written to yet is left out)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**dict(kafka_kwargs))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [t for t in names if t in existing]
+        described = await admin.describe_topics(wanted) if wanted else []
+    finally:
+        await admin.close()
+    out: dict[str, set[int]] = {}
+    for entry in described:
+        if entry.get("topic") in existing and not entry.get("error_code"):
+            out[str(entry["topic"])] = {int(p["partition"]) for p in entry.get("partitions", [])}
+    return out
