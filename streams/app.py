@@ -212,8 +212,9 @@ class RouterApp:
                     ),
                     period_id,
                 )
-                try:  # a missing ledger starts rebuilding now, before the first window
-                    await guard.ready(store)
+                try:  # a missing ledger is rebuilt before the first window
+                    if not await guard.wait_ready(store, timeout_s=60.0):
+                        log.warning("budget ledger rebuild still running: routing blind meanwhile")
                 except StateUnavailable as exc:
                     log.warning("could not check the budget ledger in Redis yet: %s", exc)
                 self.service = RouterService(

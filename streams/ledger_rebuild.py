@@ -111,6 +111,18 @@ class LedgerGuard:
             self._task = asyncio.create_task(self._rebuild(state), name="ledger-rebuild")
         return False
 
+    async def wait_ready(self, state: Any, timeout_s: float) -> bool:
+        """``ready`` until True or ``timeout_s``: a router starting on a Redis without the
+        mark waits for the rebuild rather than route its first windows blind (a query held
+        by a blind window is routed later without a dedupe entry in Redis, so its routed
+        mark is not kept; a crash then would route it again)."""
+        deadline = time.monotonic() + timeout_s
+        while not await self.ready(state):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()

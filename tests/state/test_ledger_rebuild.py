@@ -173,3 +173,33 @@ async def test_guard_rebuilds_once_with_several_routers(redis_url: str) -> None:
             await g.close()
         for s in stores:
             await s.close()
+
+
+async def test_wait_ready_waits_for_the_rebuild_and_gives_up_on_a_failing_scan(
+    redis_url: str,
+) -> None:
+    cluster = _cluster()
+    ok_store = await StateStore.connect(redis_url, namespace="t" + uuid.uuid4().hex[:12])
+    bad_store = await StateStore.connect(redis_url, namespace="t" + uuid.uuid4().hex[:12])
+
+    async def scan(since: Mapping[str, float], handle: Callable[[str, bytes | None], None]) -> int:
+        await asyncio.sleep(0.2)
+        return 0
+
+    async def broken(
+        since: Mapping[str, float], handle: Callable[[str, bytes | None], None]
+    ) -> int:
+        raise OSError("Kafka unreachable")
+
+    good = LedgerGuard(cluster, scan, period_id, lease_s=3.0)
+    bad = LedgerGuard(cluster, broken, period_id, lease_s=3.0, retry_s=0.1)
+    try:
+        assert await good.wait_ready(ok_store, timeout_s=30)
+        assert await ok_store.ledger_mark() is not None
+        assert not await bad.wait_ready(bad_store, timeout_s=1.0)
+        assert await bad_store.ledger_mark() is None
+    finally:
+        for g in (good, bad):
+            await g.close()
+        for s in (ok_store, bad_store):
+            await s.close()
