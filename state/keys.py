@@ -16,6 +16,10 @@ key                                    type    holds
 ``sy:budget:{<tenant>}:<period>``      hash    limit, reserved, spent (integer nano-USD)
 ``sy:budget:{<tenant>}:<period>:res``  hash    query id → reserved nano-USD
 ``sy:budget:{<tenant>}:<period>:set``  hash    query id → settled nano-USD (settle-once)
+``sy:ledger:{epoch}:mark``             string  set once the ledger is known complete (rebuilt
+                                               from Kafka, or written since); no TTL. Missing
+                                               = Redis lost its data (or never had any)
+``sy:ledger:{epoch}:lease``            string  token of the router rebuilding it; TTL
 ``sy:dedupe:{d<nn>}:<query>``          hash    sha (body SHA-256), routed (instance); TTL.
                                                ``nn`` = crc32(query id) mod 64: a window's
                                                dedupe is one script call per bucket
@@ -87,6 +91,11 @@ class Keys:
         _check(_PERIOD, period_id, "budget period")
         base = f"{self.namespace}:budget:{{{tenant}}}:{period_id}"
         return base, f"{base}:res", f"{base}:set"
+
+    def ledger_epoch(self) -> tuple[str, str]:
+        """(mark, lease) keys of the ledger's completeness marker and its rebuild lease."""
+        base = f"{self.namespace}:ledger:{{epoch}}"
+        return f"{base}:mark", f"{base}:lease"
 
     # per query
     def dedupe(self, query_id: str) -> str:

@@ -52,7 +52,11 @@ SCRIPTS = (
     "mark_intent",
     "snapshot",
     "residents_sync",
+    "ledger_lease",
+    "ledger_mark",
+    "ledger_rebuild",
 )
+LEDGER_REBUILD_CHUNK = 1000  # query ids per ledger_rebuild call: Redis never blocks long
 TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
 
 Verdict = Literal["new", "duplicate", "conflict"]
@@ -695,6 +699,71 @@ class StateStore:
             n_reserved=int(n_res),
             n_settled=int(n_set),
         )
+
+    # ------------------------------------------------------------------ ledger completeness
+
+    async def ledger_mark(self) -> str | None:
+        """The ledger's completeness mark (None: Redis lost its data, or never held a ledger)."""
+        mark, _ = self.keys.ledger_epoch()
+        raw = await self._call("ledger_mark", self._r.get(mark))
+        return None if raw is None else str(raw)
+
+    async def ledger_lease(
+        self, token: str, lease_s: float, *, renew: bool = False
+    ) -> Literal["marked", "held", "ours", "lost"]:
+        """Take (or ``renew``) the lease on rebuilding the ledger: ``marked`` (nothing to
+        rebuild), ``ours``, ``held`` (another router has it) or ``lost`` (a renew found it
+        gone: it expired or Redis restarted empty). See ``state/lua/ledger_lease.lua``."""
+        if not isinstance(token, str) or not token or len(token) > 128:
+            raise ValueError(f"ledger lease token must be a non-empty string, got {token!r}")
+        reply = await self._script(
+            "ledger_lease",
+            list(self.keys.ledger_epoch()),
+            [token, _seconds_ms(lease_s, "ledger lease_s"), "renew" if renew else "take"],
+        )
+        return cast(Literal["marked", "held", "ours", "lost"], str(reply))
+
+    async def ledger_set_mark(self, token: str, value: str) -> bool:
+        """Mark the ledger complete iff ``token`` still holds the rebuild lease."""
+        return bool(
+            await self._script("ledger_mark", list(self.keys.ledger_epoch()), [token, value])
+        )
+
+    async def ledger_rebuild(
+        self,
+        tenant: str,
+        period_id: str,
+        limit_usd: float,
+        settled_usd: Mapping[str, float],
+        reserved_usd: Mapping[str, float],
+    ) -> tuple[int, int]:
+        """Book settled spend and worst-case reservations read back from Kafka, idempotently.
+
+        Returns (settlements booked now, reservations booked now): ids already settled or
+        reserved in Redis (by a worker or router meanwhile, or an earlier rebuild) count 0.
+        """
+        keys = self.keys.ledger(tenant, period_id)
+        limit = usd_to_nano(limit_usd, "limit_usd", round_up=False)
+        expire = self._ledger_expire_at(period_id)
+        settled = [
+            (self.keys.check_query_id(q), usd_to_nano(usd, f"query {q}: settled cost"))
+            for q, usd in settled_usd.items()
+        ]
+        reserved = [
+            (self.keys.check_query_id(q), usd_to_nano(usd, f"query {q}: worst-case cost"))
+            for q, usd in reserved_usd.items()
+            if q not in settled_usd
+        ]
+        booked = held = 0
+        step = LEDGER_REBUILD_CHUNK
+        for i in range(0, max(len(settled), len(reserved), 1), step):
+            s_part, r_part = settled[i : i + step], reserved[i : i + step]
+            args: list[Any] = [limit, expire, len(s_part)]
+            for qid, nano in (*s_part, *r_part):
+                args += [qid, nano]
+            b, h = await self._script("ledger_rebuild", keys, args)
+            booked, held = booked + int(b), held + int(h)
+        return booked, held
 
     # ------------------------------------------------------------------ capacity slots
 

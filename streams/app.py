@@ -37,6 +37,7 @@ import faust
 
 from routing.types import Router
 from schemas import ClusterConfig
+from streams.ledger_rebuild import LedgerGuard, kafka_scan
 from streams.metrics import RouterMetrics
 from streams.service import Inbound, RouterConfig, RouterService
 from switchyard import topics
@@ -194,7 +195,7 @@ class RouterApp:
             if self.service is None:
                 from aiokafka import AIOKafkaProducer
 
-                from state import StateStore, period_id
+                from state import StateStore, StateUnavailable, period_id
 
                 store = await StateStore.connect(**self.settings.redis_kwargs())
                 producer = AIOKafkaProducer(
@@ -206,6 +207,18 @@ class RouterApp:
                     max_request_size=8 * 1024 * 1024,
                 )
                 await producer.start()
+                guard = LedgerGuard(
+                    self.cluster,
+                    kafka_scan(
+                        self.settings.kafka_kwargs(client_id=f"{self.app.conf.id}-ledger-rebuild")
+                    ),
+                    period_id,
+                )
+                try:  # a missing ledger is rebuilt before the first window
+                    if not await guard.wait_ready(store, timeout_s=60.0):
+                        log.warning("budget ledger rebuild still running: routing blind meanwhile")
+                except StateUnavailable as exc:
+                    log.warning("could not check the budget ledger in Redis yet: %s", exc)
                 self.service = RouterService(
                     self.cluster,
                     self.router,
@@ -216,6 +229,7 @@ class RouterApp:
                     on_done=self.acker.finished,
                     keep=self.acker.keep,
                     period_id=period_id,
+                    ledger_guard=guard,
                 )
             return self.service
 

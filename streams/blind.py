@@ -32,8 +32,9 @@ than the free slots last read. NOT guaranteed across processes: each router spen
 fraction of the same remaining budget (``fraction <= 1 / routers`` keeps the sum within
 the budget), routers share no slot counts, and a query redelivered to *another* router
 while Redis is away may be routed by both. When the flushed reservations no longer fit
-(another router spent meanwhile) the overspend is logged; a Redis restarted empty has
-forgotten the period's earlier spend, which nothing here rebuilds.
+(another router spent meanwhile) the overspend is logged. A Redis restarted empty has
+forgotten the period's earlier spend: ``streams.ledger_rebuild`` keeps the router blind
+until that ledger is rebuilt from Kafka.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ until ``max_hold_s`` has passed; then it gets a final ``Decision`` and an error
 later (nothing is acknowledged). A Redis error makes the window route *blind* from what
 this process last read (``streams.blind.BlindLedger``: LPS views, a conservative share of
 the budget, in-process dedupe; decisions flagged ``BUDGET_BLIND``); what was done blind is
-written to Redis before the next normal window.
+written to Redis before the next normal window. So does a Redis that answers without its
+budget ledger (restarted empty), until ``streams.ledger_rebuild.LedgerGuard`` has rebuilt
+it from Kafka.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from schemas import (
 )
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
+from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
 from switchyard import topics
@@ -143,6 +146,7 @@ class RouterService:
         on_done: Callable[[Inbound], None] | None = None,
         period_id: Callable[[float, float], str] | None = None,
         keep: Callable[[Inbound], bool] | None = None,
+        ledger_guard: LedgerGuard | None = None,
     ) -> None:
         self.cluster = cluster
         self.router = router
@@ -162,6 +166,7 @@ class RouterService:
         self._arrivals: dict[str, float] = {}
         self._blind = BlindLedger(config.blind_budget_fraction)
         self._blind_logged = False
+        self._ledger_guard = ledger_guard  # None: trust the ledger in Redis as it is
 
     # ------------------------------------------------------------------ entry points
 
@@ -214,6 +219,11 @@ class RouterService:
                 await self._blind.flush(
                     self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
                 )
+                # a Redis back without its ledger: blind until it is rebuilt from Kafka
+                if self._ledger_guard is not None and not await self._ledger_guard.ready(
+                    self.state
+                ):
+                    raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
                 candidates = held + await self._validate_and_dedupe(
                     batch_items, outs, outcome, routed_marks=routed_marks
                 )

@@ -201,7 +201,7 @@ def run_demo(
     try:
         running = {n for n, r in services.load_records().items() if r.alive()}
         with console.status("starting Redis and Kafka …"):
-            redis = services.redis_up()
+            redis = services.redis_up(fresh="redis" not in running)  # a demo starts empty
             kafka = services.kafka_up()
         started = [n for n in ("redis", "kafka") if n not in running]
         console.print(f"Kafka {kafka.version} at {kafka.address}, Redis at {redis.address}"
@@ -272,7 +272,7 @@ def run_demo(
     finally:
         group.stop_all()
         if started:
-            services.down(names=started)
+            services.down(names=started, purge=True)
             console.print(f"stopped {', '.join(started)}")
 
 

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     before = {name for name, rec in services.load_records().items() if rec.alive()}
     t0 = time.monotonic()
     try:
-        redis = services.redis_up()
+        redis = services.redis_up(fresh="redis" not in before)  # a test run starts empty
         kafka = services.kafka_up()
     except services.ServiceError as exc:
         print(f"error: could not start services: {exc}", file=sys.stderr)
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         return subprocess.call(argv, env=env)
     finally:
         started = [n for n in ("kafka", "redis") if n not in before]
-        services.down(names=started)
+        services.down(names=started, purge=True)
         print(
             f"services: stopped {', '.join(started) or 'nothing'} (started by this run)", flush=True
         )

@@ -25,13 +25,27 @@ def register(app: typer.Typer) -> None:
         redis_port: int = typer.Option(
             0, envvar="SWITCHYARD_REDIS_PORT", help="0: 16379 or any free port"
         ),
+        redis_appendfsync: str = typer.Option(
+            "always",
+            envvar="SWITCHYARD_REDIS_APPENDFSYNC",
+            help="Redis AOF fsync policy: always (default: nothing acknowledged is lost, even "
+            "on a power loss), everysec (up to ~1 s lost on a host crash), or none (no "
+            "persistence: the budget ledger is then rebuilt from Kafka after a restart)",
+        ),
     ) -> None:
-        """Start the services (idempotent) and print their addresses as env lines."""
+        """Start the services (idempotent) and print their addresses as env lines.
+
+        Redis keeps an append-only file in its data directory (kept by `down`), so a restart
+        finds the budget ledger as it was.
+        """
         from switchyard import services
 
         try:
             if redis:
-                services.redis_up(port=redis_port or None)
+                services.redis_up(
+                    port=redis_port or None,
+                    appendfsync=None if redis_appendfsync == "none" else redis_appendfsync,
+                )
             if kafka:
                 services.kafka_up(port=kafka_port or None)
         except services.ServiceError as exc:
@@ -41,11 +55,15 @@ def register(app: typer.Typer) -> None:
             typer.echo(line)
 
     @svc.command("down")
-    def down() -> None:
-        """Stop only the processes `up` started (recorded pids)."""
+    def down(
+        purge: bool = typer.Option(
+            False, "--purge", help="Also delete Redis's data (its append-only file)"
+        ),
+    ) -> None:
+        """Stop only the processes `up` started (recorded pids); Redis's data is kept."""
         from switchyard import services
 
-        stopped = services.down()
+        stopped = services.down(purge=purge)
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
 
     @svc.command("status")

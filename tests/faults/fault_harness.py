@@ -207,13 +207,26 @@ class OwnedServices:
             f"restarted Kafka broker not ready after {timeout_s:.0f} s; see {rec.log}"
         )
 
-    # -- Redis: stop (process gone, port refuses) and start again empty on the same port
+    # -- Redis: stop or kill -9 (process gone, port refuses), start again on the same port,
+    #    on its append-only file (the production default) or empty
 
-    def redis_stop(self) -> None:
+    def redis_stop(self, keep_data: bool = False) -> None:
+        """SIGTERM Redis by its recorded pid; ``keep_data`` keeps its AOF for the restart."""
         assert self.redis is not None
-        services.stop_record(self.redis, self.home, grace_s=10.0)
+        services.stop_record(self.redis, self.home, grace_s=10.0, keep_data=keep_data)
 
-    def redis_restart(self) -> float:
+    def redis_kill9(self, timeout_s: float = 30.0) -> None:
+        """SIGKILL Redis by its recorded pid: no shutdown, its AOF stays as the kill left it."""
+        rec = self.redis
+        assert rec is not None
+        if not rec.alive():
+            raise HarnessError(f"Redis pid {rec.pid} is not running")
+        os.kill(rec.pid, signal.SIGKILL)
+        wait_until(lambda: _reaped(rec.pid) or not rec.alive(), timeout_s, "Redis to exit")
+
+    def redis_restart(self, empty: bool = False) -> float:
+        """Start Redis on the same port: on its AOF, or ``empty`` (AOF deleted first, as after a
+        failover to an empty replica or a Redis run without persistence). Returns seconds."""
         assert self.redis is not None
         t0 = time.monotonic()
         self.redis = services.redis_up(
@@ -222,6 +235,7 @@ class OwnedServices:
             password=self.redis_password,
             tls=self.redis_tls,
             name="redis-faults",
+            fresh=empty,
         )
         return time.monotonic() - t0
 

@@ -250,9 +250,9 @@ async def test_router_routes_blind_while_redis_is_down(
         again, _ = await svc.handle([inbound(blind_ids[0])])
         assert again.dropped_duplicates == 1 and again.routed == 0
 
-        # 3. Redis back (empty: it runs without persistence): the window writes what was
+        # 3. Redis back empty (its AOF deleted): the window writes what was
         # done blind first, then routes normally
-        rec = services.redis_up(home=tmp_path, port=port, name="blind-redis")
+        rec = services.redis_up(home=tmp_path, port=port, name="blind-redis", fresh=True)
         for _ in range(20):
             try:
                 for iid in (f"{rid}-a", f"{rid}-b"):

@@ -423,7 +423,7 @@ async def test_redis_outage_does_not_stop_results_and_state_rebuilds(
             for rq in second:
                 assert (await client.result(rq.query.id, timeout_s=30)).error is None
             assert worker.metrics.errors("state") > 0
-            rec = services.redis_up(port=port, home=tmp_path, name="redis-outage")
+            rec = services.redis_up(port=port, home=tmp_path, name="redis-outage", fresh=True)
             async with asyncio.timeout(20):
                 while not (await state.snapshots([iid], time.time()))[iid].alive:
                     await asyncio.sleep(0.1)
