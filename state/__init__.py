@@ -8,12 +8,12 @@ from state.keys import Keys
 from state.store import (
     NANO_PER_USD,
     BudgetStatus,
+    ClaimOutcome,
     DedupeEntry,
     InstanceLive,
     ResultMark,
     StateStore,
     StateUnavailable,
-    ClaimOutcome,
     Verdict,
     period_bounds,
     period_id,
