@@ -370,6 +370,7 @@ class Rescuer:
         self._owed: dict[str, list[str]] = {}  # instance -> query ids to mark rerouted
         self._start: dict[str, dict[int, int]] = {}  # instance -> partition -> next offset
         self._lock = asyncio.Lock()
+        self._failing = False
 
     @property
     def in_flight(self) -> int:
@@ -386,7 +387,13 @@ class Rescuer:
             except Exception as exc:
                 if not _transient(exc):
                     raise
-                log.warning("rescuer: will try again: %s: %s", type(exc).__name__, exc)
+                # once per outage, not once per tick
+                (log.debug if self._failing else log.warning)(
+                    "rescuer: will try again: %s: %s", type(exc).__name__, exc
+                )
+                self._failing = True
+            else:
+                self._failing = False
 
     async def _tick(self, now: float) -> None:
         await self._mark_owed()
