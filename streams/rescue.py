@@ -6,7 +6,8 @@ or read but not started (queued for one of its slots). The ``Rescuer`` runs in e
 router process, on a timer:
 
 1. an instance without a live heartbeat for longer than ``grace_s`` is *silent*
-   (``SilenceTracker``, pure);
+   (``SilenceTracker``, pure); nothing is rescued while no instance at all is alive (there
+   is nowhere to re-route to, and the copies are better off waiting for their worker);
 2. its ``route.<id>`` is read from the worker group's committed offset (the earliest
    offset if none) to the end, with a plain consumer outside any group
    (``KafkaRouteReader``);
@@ -355,7 +356,7 @@ class Rescuer:
         default_factory=lambda: {
             "claimed": 0,  # copies this rescuer took (re-routed or being re-routed)
             "rerouted": 0,  # re-routed copies acknowledged and marked final
-            "started_by_worker": 0,  # claim lost: the silent instance had started it
+            "taken": 0,  # claim lost: its worker started it, or it was re-routed before
             "answered": 0,  # a result was already out: left alone
             "busy": 0,  # another rescuer's lease
             "unreadable": 0,  # not a valid routed query: left for the worker to dead-letter
@@ -403,8 +404,11 @@ class Rescuer:
         for iid in list(self._start):
             if iid not in silent:
                 self._start.pop(iid)  # back (or not yet silent long enough): rescan from its commit
-        for iid in silent:
-            await self._scan(iid, now)
+        # with no live instance there is nowhere to re-route to: the copies wait where they are
+        # (for their worker, or for the first instance that comes back)
+        if any(info.alive for info in live.values()):
+            for iid in silent:
+                await self._scan(iid, now)
         if self._inflight:
             await self.service.adopt([f.pending for f in self._inflight.values()])
 
@@ -428,7 +432,7 @@ class Rescuer:
                 lease_s=self.config.lease_s,
             )
             won = [s for s, o in zip(stranded, outcomes, strict=True) if o == "won"]
-            self.counts["started_by_worker"] += outcomes.count("lost")
+            self.counts["taken"] += outcomes.count("lost")
             self.counts["busy"] += outcomes.count("busy")
             for s, o in zip(stranded, outcomes, strict=True):
                 if o == "busy":  # another rescuer may die: look at it again

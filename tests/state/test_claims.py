@@ -74,9 +74,7 @@ async def test_concurrent_worker_and_rescuers_exactly_one_wins(stores: list[Stat
             out.update(zip(chunk, got, strict=True))
         return out
 
-    w, r1, r2 = await asyncio.gather(
-        worker(), rescuer(stores[1], "r1"), rescuer(stores[2], "r2")
-    )
+    w, r1, r2 = await asyncio.gather(worker(), rescuer(stores[1], "r1"), rescuer(stores[2], "r2"))
     for q in ids:
         winners = [who for who, got in (("w", w[q]), ("r1", r1[q]), ("r2", r2[q])) if got == "won"]
         assert len(winners) == 1, f"{q}: {winners} won ({w[q]}, {r1[q]}, {r2[q]})"

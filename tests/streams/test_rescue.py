@@ -183,6 +183,61 @@ async def test_adopt_takes_only_rerouted_queries() -> None:
     assert await svc.adopt([gone]) == 0  # finished meanwhile: not adopted again
 
 
+class _Reader:
+    def __init__(self, copies: list[Copy]) -> None:
+        self.copies, self.reads = copies, 0
+
+    async def read(self, instance_id: str, start: Any) -> tuple[list[Copy], dict[int, int]]:
+        self.reads += 1
+        return list(self.copies), {0: len(self.copies)}
+
+    async def close(self) -> None:
+        return None
+
+
+class _State:
+    def __init__(self, alive: dict[str, bool]) -> None:
+        self.alive = alive
+
+    async def snapshots(self, ids: Sequence[str], now: float) -> dict[str, Any]:
+        return {i: SimpleNamespace(alive=self.alive.get(i, False)) for i in ids}
+
+    async def has_results(self, qids: Sequence[str]) -> list[bool]:
+        return [False] * len(qids)
+
+    async def claim_rescue(self, iid: str, qids: Sequence[str], who: str, **_: Any) -> list[str]:
+        return ["won"] * len(qids)
+
+    async def release_budget(self, *_: Any) -> None:
+        return None
+
+    async def release_slots(self, *_: Any) -> None:
+        return None
+
+
+class _Adopter:
+    def __init__(self) -> None:
+        self.got: list[Pending] = []
+
+    async def adopt(self, pendings: Sequence[Pending]) -> int:
+        self.got = list(pendings)
+        return len(pendings)
+
+
+async def test_nothing_is_rescued_while_no_instance_is_alive() -> None:
+    spec = _cluster("x")
+    reader = _Reader([Copy(0, 0, _routed_bytes("q", "x-a", 5.0, "p"))])
+    state, svc = _State({}), _Adopter()
+    r = Rescuer(spec, state, svc, reader, RescueConfig(grace_s=1.0))
+    await r.tick(now=100.0)
+    await r.tick(now=105.0)
+    assert reader.reads == 0 and r.in_flight == 0  # every instance down: copies stay put
+    state.alive["x-b"] = True
+    await r.tick(now=106.0)
+    assert reader.reads == 1 and [p.query.id for p in svc.got] == ["q"]
+    assert svc.got[0].rerouted_from == "x-a"
+
+
 # ---------------------------------------------------------------------- real Redis + Kafka
 
 
@@ -269,7 +324,7 @@ async def test_rescue_reroutes_unstarted_copies_and_leaves_started_ones(
     assert rescuer.in_flight == 0  # silent, but not for long enough yet
     await rescuer.tick(now=t0 + 1.5)
     assert rescuer.in_flight == 4 and svc.held_count == 4
-    assert (rescuer.counts["started_by_worker"], rescuer.counts["answered"]) == (1, 1)
+    assert (rescuer.counts["taken"], rescuer.counts["answered"]) == (1, 1)
     assert await store.slots_held(a) == [started, answered]  # the rescued slots are given back
     outcome = await svc.retry_held()
     assert outcome is not None and outcome.routed == 4
