@@ -8,6 +8,7 @@ from state.keys import Keys
 from state.store import (
     NANO_PER_USD,
     BudgetStatus,
+    ClaimOutcome,
     DedupeEntry,
     InstanceLive,
     ResultMark,
@@ -30,6 +31,7 @@ __all__ = [
     "RouteIntent",
     "StateStore",
     "StateUnavailable",
+    "ClaimOutcome",
     "Verdict",
     "period_bounds",
     "period_id",

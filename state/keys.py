@@ -13,6 +13,9 @@ key                                    type    holds
                                                arrived_at" (resident requests)
 ``sy:inst:{<instance>}:slots``         zset    query id → last touch (Redis time): capacity held
 ``sy:inst:{<instance>}:gone``          zset    query id → when it was done (tombstones for resync)
+``sy:inst:{<instance>}:claim:<query>`` string  who owns the query's copy in ``route.<instance>``:
+                                               ``run`` (its worker started it), ``rescue <id>
+                                               <lease end ms>``, ``rerouted <id>``; TTL
 ``sy:budget:{<tenant>}:<period>``      hash    limit, reserved, spent (integer nano-USD)
 ``sy:budget:{<tenant>}:<period>:res``  hash    query id → reserved nano-USD
 ``sy:budget:{<tenant>}:<period>:set``  hash    query id → settled nano-USD (settle-once)
@@ -83,6 +86,10 @@ class Keys:
 
     def gone(self, instance_id: str) -> str:
         return self._inst(instance_id, "gone")
+
+    def claim(self, instance_id: str, query_id: str) -> str:
+        """Claim on the copy of ``query_id`` routed to ``instance_id`` (worker vs rescuer)."""
+        return self._inst(instance_id, f"claim:{_check(_QUERY, query_id, 'query id')}")
 
     # budget ledger: hash tag {tenant}
     def ledger(self, tenant: str, period_id: str) -> tuple[str, str, str]:

@@ -55,11 +55,14 @@ SCRIPTS = (
     "ledger_lease",
     "ledger_mark",
     "ledger_rebuild",
+    "claim",
 )
 LEDGER_REBUILD_CHUNK = 1000  # query ids per ledger_rebuild call: Redis never blocks long
 TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
 
 Verdict = Literal["new", "duplicate", "conflict"]
+ClaimOutcome = Literal["won", "lost", "wait", "busy"]
+CLAIM_TTL_S = 7 * 86_400.0  # as long as a result mark: a copy can wait that long in Kafka
 
 
 class StateUnavailable(RuntimeError):
@@ -899,6 +902,90 @@ class StateStore:
         pipe.pexpire(key, _seconds_ms(ttl_s, "attempt ttl_s"))
         n, _ = await self._call("mark_attempt", pipe.execute())
         return int(n)
+
+    # ------------------------------------------------------------------ claims (re-routing)
+
+    async def claim_run(
+        self, instance_id: str, query_id: str, *, ttl_s: float = CLAIM_TTL_S
+    ) -> ClaimOutcome:
+        """The worker of ``instance_id`` claims its copy of ``query_id`` right before running it.
+
+        ``won``: run it (also when this instance claimed it before: a re-delivery, or a
+        rescuer's lease that ran out without a re-route). ``lost``: a rescuer re-routed it
+        elsewhere, skip the copy. ``wait``: a rescuer holds a live lease and has not
+        re-routed it yet; ask again later.
+        """
+        reply = await self._claims(instance_id, [query_id], "run", "", 1.0, ttl_s)
+        return reply[0]
+
+    async def claim_rescue(
+        self,
+        instance_id: str,
+        query_ids: Sequence[str],
+        rescuer_id: str,
+        *,
+        lease_s: float,
+        ttl_s: float = CLAIM_TTL_S,
+    ) -> list[ClaimOutcome]:
+        """A rescuer claims (or renews its lease on) copies waiting in a silent instance's topic.
+
+        Per id: ``won`` (re-route it; the lease must be renewed before ``lease_s`` passes),
+        ``lost`` (its worker started it, or it was re-routed already) or ``busy`` (another
+        rescuer's lease is live). One script call.
+        """
+        return await self._claims(instance_id, query_ids, "rescue", rescuer_id, lease_s, ttl_s)
+
+    async def claim_rerouted(
+        self,
+        instance_id: str,
+        query_ids: Sequence[str],
+        rescuer_id: str,
+        *,
+        ttl_s: float = CLAIM_TTL_S,
+    ) -> list[ClaimOutcome]:
+        """Mark claims final once the re-routed copies were acknowledged by Kafka.
+
+        ``won``: marked (the instance's worker will skip its copy for good). ``lost``: the
+        rescuer no longer held the claim (its lease lapsed and the worker started the query).
+        """
+        return await self._claims(instance_id, query_ids, "rerouted", rescuer_id, 1.0, ttl_s)
+
+    async def claim_state(self, instance_id: str, query_id: str) -> str | None:
+        """The raw claim value (``run``, ``rescue <id> <ms>``, ``rerouted <id>``) or None."""
+        raw = await self._call("claim_state", self._r.get(self.keys.claim(instance_id, query_id)))
+        return None if raw is None else str(raw)
+
+    async def _claims(
+        self,
+        instance_id: str,
+        query_ids: Sequence[str],
+        mode: str,
+        rescuer_id: str,
+        lease_s: float,
+        ttl_s: float,
+    ) -> list[ClaimOutcome]:
+        if mode != "run" and (not rescuer_id or any(c.isspace() for c in rescuer_id)):
+            raise ValueError(f"rescuer id must be a non-empty word, got {rescuer_id!r}")
+        if not query_ids:
+            return []
+        keys = [self.keys.claim(instance_id, q) for q in query_ids]
+        args = [
+            mode,
+            rescuer_id,
+            _seconds_ms(lease_s, "claim lease_s"),
+            _seconds_ms(ttl_s, "claim ttl_s"),
+        ]
+        reply = await self._script("claim", keys, args)
+        return [cast(ClaimOutcome, str(v)) for v in reply]
+
+    async def has_results(self, query_ids: Sequence[str]) -> list[bool]:
+        """``has_result`` for many ids in one pipelined round trip."""
+        if not query_ids:
+            return []
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        for q in query_ids:
+            pipe.exists(self.keys.result(q))
+        return [bool(n) for n in await self._call("has_results", pipe.execute())]
 
     async def has_result(self, query_id: str) -> bool:
         return bool(await self._call("has_result", self._r.exists(self.keys.result(query_id))))

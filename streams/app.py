@@ -39,6 +39,7 @@ from routing.types import Router
 from schemas import ClusterConfig
 from streams.ledger_rebuild import LedgerGuard, kafka_scan
 from streams.metrics import RouterMetrics
+from streams.rescue import KafkaRouteReader, RescueConfig, Rescuer
 from streams.service import Inbound, RouterConfig, RouterService
 from switchyard import topics
 from switchyard.settings import Settings
@@ -175,6 +176,13 @@ class _RouterFaustApp(faust.App):
                 )
         await super()._consumer_wait_empty(consumer, logger)
 
+    async def on_stop(self) -> None:
+        runtime = self.router_runtime
+        if runtime is not None and runtime.rescuer is not None:
+            await runtime.rescuer.flush()  # marks owed for copies Kafka already acknowledged
+            await runtime.rescuer.reader.close()
+        await super().on_stop()
+
 
 @dataclass
 class RouterApp:
@@ -187,6 +195,8 @@ class RouterApp:
     config: RouterConfig
     metrics: RouterMetrics
     service: RouterService | None = None
+    rescue: RescueConfig | None = None  # None: a silent instance's queue is not re-routed
+    rescuer: Rescuer | None = None
     acker: OrderedAcker = field(default_factory=OrderedAcker)
     _starting: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -231,6 +241,19 @@ class RouterApp:
                     period_id=period_id,
                     ledger_guard=guard,
                 )
+                if self.rescue is not None:
+                    reader = KafkaRouteReader(
+                        self.settings.kafka_kwargs(client_id=f"{self.app.conf.id}-rescue"),
+                        self.rescue.read_timeout_s,
+                    )
+                    self.rescuer = Rescuer(
+                        self.cluster,
+                        store,
+                        self.service,
+                        reader,
+                        self.rescue,
+                        limits=self.config.limits,
+                    )
             return self.service
 
 
@@ -245,6 +268,7 @@ def create_app(
     metrics: RouterMetrics | None = None,
     commit_interval_s: float = 0.5,
     offset_reset: str = "earliest",
+    rescue: RescueConfig | None = None,
 ) -> RouterApp:
     """Build the Faust app; ``faust.Worker(app).execute_from_commandline()`` runs it."""
     app = _RouterFaustApp(
@@ -271,7 +295,9 @@ def create_app(
         consumer_auto_offset_reset=offset_reset,
         table_cleanup_interval=3600.0,
     )
-    runtime = RouterApp(app, cluster, router, settings, config, metrics or RouterMetrics())
+    runtime = RouterApp(
+        app, cluster, router, settings, config, metrics or RouterMetrics(), rescue=rescue
+    )
     app.router_runtime = runtime
     queries = app.topic(topics.QUERIES, value_type=bytes, key_type=bytes, partitions=partitions)
 
@@ -328,6 +354,17 @@ def create_app(
     async def retry_held() -> None:
         if runtime.service is not None:
             await runtime.service.retry_held()
+
+    if rescue is not None:
+
+        @app.timer(interval=rescue.interval_s)
+        async def rescue_silent() -> None:
+            # re-route what waits on an instance that stopped heart-beating (streams.rescue)
+            if runtime.rescuer is not None:
+                try:
+                    await runtime.rescuer.tick()
+                except Exception:  # a bug: log it, never stop routing for it
+                    log.exception("rescuer tick failed")
 
     return runtime
 

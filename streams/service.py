@@ -95,6 +95,18 @@ class Pending:
     first_seen_s: float
     announced: bool = False  # a DEFERRED decision was already published for it
     sha: str = ""  # SHA-256 of the raw body (dedupe)
+    rerouted_from: str | None = None  # adopted from this silent instance (``adopt``)
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """``Inbound.handle`` of a query handed over by ``RouterService.adopt`` (not read from
+    ``queries``): its ``on_done`` is called instead of the adapter's once the query is
+    finished (its re-routed copy, or its final error, acknowledged by Kafka). ``wanted`` is
+    asked under the service's lock, so a query finished meanwhile is not adopted again."""
+
+    on_done: Callable[[Inbound], None]
+    wanted: Callable[[], bool] = lambda: True
 
 
 @dataclass(frozen=True)
@@ -154,8 +166,14 @@ class RouterService:
         self.sink = sink
         self.config = config
         self.metrics = metrics or RouterMetrics()
-        self._on_done = on_done or (lambda _inbound: None)
-        self._keep = keep or (lambda _inbound: True)
+        done, kept = on_done or (lambda _inbound: None), keep or (lambda _inbound: True)
+        # adopted queries (``adopt``) are not the adapter's: they report to their adopter
+        self._on_done: Callable[[Inbound], None] = lambda it: (
+            it.handle.on_done(it) if isinstance(it.handle, Adopted) else done(it)
+        )
+        self._keep: Callable[[Inbound], bool] = lambda it: (
+            isinstance(it.handle, Adopted) or kept(it)
+        )
         self._period_id = period_id or _default_period_id
         self._budgets = {t.tenant: t for t in cluster.tenants}
         self._instance_ids = [i.id for i in cluster.instances]
@@ -189,6 +207,28 @@ class RouterService:
         self._held, self._retry = [], []
         self.metrics.held.set(0)
         return n
+
+    async def adopt(self, pendings: Sequence[Pending]) -> int:
+        """Take queries re-routed from a silent instance (``streams.rescue``) as held queries.
+
+        They are decided in the next window among the live instances like any held query
+        (their budget and slots are reserved then), and their routed ``Decision`` carries
+        ``REROUTED``. Each must have an ``Adopted`` handle and ``rerouted_from`` set; one
+        already held here is skipped (adopting again is harmless). Returns how many were taken.
+        """
+        for p in pendings:
+            if not isinstance(p.inbound.handle, Adopted) or not p.rerouted_from:
+                raise ValueError(
+                    f"query {p.query.id}: adopt() takes re-routed queries only (an Adopted "
+                    f"handle and rerouted_from), got handle {type(p.inbound.handle).__name__} "
+                    f"from {p.rerouted_from!r}"
+                )
+        async with self._lock:
+            held = {p.query.id for p in self._held}
+            new = [p for p in pendings if p.query.id not in held and p.inbound.handle.wanted()]
+            self._held = new + self._held  # waited longest: first in the next window
+            self.metrics.held.set(self.held_count)
+            return len(new)
 
     async def retry_held(self) -> WindowOutcome | None:
         """Run a window for held queries only (called on a timer when traffic stops)."""
@@ -553,6 +593,10 @@ class RouterService:
                 update: dict[str, Any] = {"budget_period": pid, "decided_at": now}
                 if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
                     update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
+                if p.rerouted_from is not None:
+                    update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
+                    why = f"re-routed from silent instance {p.rerouted_from}"
+                    update["reason"] = f"{why}; {d.reason}" if d.reason else why
                 d = d.model_copy(update=update)
                 dec_json = d.model_dump_json(exclude_none=True).encode()
                 routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"

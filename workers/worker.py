@@ -9,8 +9,10 @@ For every routed message, in arrival order:
    skipped copy still settles and frees its slot, idempotently, in case the crash cut
    those short);
 3. register it as a resident request (queued), wait for one of ``max_concurrency`` backend
-   slots (FIFO), run it, and write its progress to Redis (prefilling → decoding, token
-   counts every ``progress_every_tokens``);
+   slots (FIFO), claim it (``StateStore.claim_run``: a copy a router's rescuer re-routed
+   while this instance was silent is skipped here, without settling — the re-routed copy
+   owns its budget reservation), run it, and write its progress to Redis (prefilling →
+   decoding, token counts every ``progress_every_tokens``);
 4. publish its ``Result`` (idempotent producer, ``acks=all``) — an engine failure is a
    Result with ``error`` set, never silence — and mark it published (with its cost) at once;
 5. settle the tenant's budget at the actual cost, drop the resident and its capacity slot;
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_RESULT_BYTES = 900_000  # under the broker's default message.max.bytes (1 MiB)
+CLAIM_RETRY_S = 0.25  # a rescuer holds this query's claim: ask again after this
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class Worker:
             "duplicates_skipped": 0,
             "reruns": 0,
             "duplicate_results": 0,
+            "rerouted_skipped": 0,  # copies a rescuer re-routed elsewhere (also duplicates_skipped)
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -317,7 +321,13 @@ class Worker:
             # its result is out (a re-delivery after a crash between publishing and committing):
             # finish what that crash may have cut short — both steps are idempotent
             await self._skip_duplicate(q.id)
-            if mark.cost_usd is not None:
+            claim = await self._best_effort(
+                self.state.claim_state(self.instance_id, q.id), default=None
+            )
+            # a copy re-routed elsewhere: that copy's decision owns the ledger entry (its
+            # period may differ from this one's), so settling here could book it twice
+            rerouted = claim is not None and claim.split(" ", 1)[0] in ("rescue", "rerouted")
+            if mark.cost_usd is not None and not rerouted:
                 await self._settle(rq, mark.cost_usd)
             await self._best_effort(self.state.resident_done(self.instance_id, q.id))
             return
@@ -353,6 +363,14 @@ class Worker:
                 async with self._sem:
                     acquired = True
                     self.metrics.queued.dec()
+                    if not await self._claim(q.id):
+                        # re-routed while it waited here (this instance went silent): the
+                        # copy elsewhere owns the query and its budget reservation, so this
+                        # one neither runs nor settles; its offset is finished, its resident
+                        # and slot dropped
+                        await self._skip_duplicate(q.id, "re-routed to another instance")
+                        await self._best_effort(self.state.resident_done(self.instance_id, q.id))
+                        return
                     attempt = await self._best_effort(
                         self.state.mark_attempt(q.id, self.config.result_ttl_s), default=1
                     )
@@ -386,10 +404,30 @@ class Worker:
         finally:
             self._residents.pop(q.id, None)  # also when cancelled at shutdown or failed
 
-    async def _skip_duplicate(self, qid: str) -> None:
+    async def _skip_duplicate(self, qid: str, why: str = "already running or answered") -> None:
         self.metrics.duplicates_skipped.inc()
         self.counts["duplicates_skipped"] += 1
-        log.info("worker %s: query %s skipped: already running or answered", self.instance_id, qid)
+        log.info("worker %s: query %s skipped: %s", self.instance_id, qid, why)
+
+    async def _claim(self, qid: str) -> bool:
+        """Claim this instance's copy of ``qid`` right before running it (``StateStore.claim_run``).
+
+        False: a rescuer re-routed it while this instance was silent. While a rescuer's lease
+        is live but the re-route is not acknowledged yet, ask again (bounded by the lease: a
+        rescuer that died lets this worker win). Redis unreachable: run it (best effort, as
+        every state write here; a re-route then may duplicate inference, never lose it).
+        """
+        while True:
+            outcome = await self._best_effort(
+                self.state.claim_run(self.instance_id, qid, ttl_s=self.config.result_ttl_s),
+                default="won",
+            )
+            if outcome == "won":
+                return True
+            if outcome == "lost":
+                self.counts["rerouted_skipped"] += 1
+                return False
+            await asyncio.sleep(CLAIM_RETRY_S)
 
     def _stamp(self) -> float:
         """Wall-clock time, never going backwards within this worker."""

@@ -58,6 +58,15 @@ def register(app: typer.Typer) -> None:
         offset_reset: str = typer.Option(
             "earliest", "--from", help="A new consumer group starts at: earliest | latest"
         ),
+        rescue_grace_s: float = typer.Option(
+            6.0,
+            "--rescue-grace-s",
+            help="Re-route the queued queries of an instance silent this long after its "
+            "heartbeat expired (about two heartbeat TTLs); 0: never",
+        ),
+        rescue_lease_s: float = typer.Option(
+            15.0, "--rescue-lease-s", help="A re-routing claim not renewed this long lapses"
+        ),
         loglevel: str = typer.Option("WARNING", "--loglevel"),
     ) -> None:
         """Route queries from `queries` to `route.<instance>` in windows."""
@@ -65,6 +74,7 @@ def register(app: typer.Typer) -> None:
         from streams.app import create_app, run
         from streams.metrics import RouterMetrics
         from streams.policy import PolicyError, load_router
+        from streams.rescue import RescueConfig
         from streams.service import RouterConfig
         from switchyard import topics
         from switchyard.settings import Settings, SettingsError
@@ -76,6 +86,11 @@ def register(app: typer.Typer) -> None:
             settings = Settings.from_env()
             spec = ClusterConfig.from_file(cluster)
             chosen = load_router(policy, spec, predictor)
+            rescue = (
+                RescueConfig(grace_s=rescue_grace_s, lease_s=rescue_lease_s)
+                if rescue_grace_s > 0
+                else None
+            )
         except (SettingsError, PolicyError, OSError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -107,6 +122,7 @@ def register(app: typer.Typer) -> None:
             metrics=metrics,
             commit_interval_s=commit_interval_s,
             offset_reset=offset_reset,
+            rescue=rescue,
         )
         typer.echo(
             f"router {app_id}: policy {getattr(chosen, 'name', policy)}, window {window_ms:g} ms, "

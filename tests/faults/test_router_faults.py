@@ -96,7 +96,11 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         env = service_env(owned, namespace=prefix)
         procs = Procs(home / "logs", env)
         policy = policy_name("round-robin", cluster)
-        router = start_router(procs, cluster_file, policy, extra=["--max-batch", "2000"])
+        # no workers here (the test heart-beats the instances): nothing may re-route their
+        # topics when it stops heart-beating between tests (streams.rescue)
+        router = start_router(
+            procs, cluster_file, policy, extra=["--max-batch", "2000", "--rescue-grace-s", "0"]
+        )
         yield Rig(owned, procs, env, Settings.from_env(env), cluster, router, policy)
     finally:
         if procs is not None:

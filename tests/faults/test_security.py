@@ -357,7 +357,12 @@ async def test_router_over_sasl_ssl_and_redis_tls_leaks_nothing(
     settings = Settings.from_env(env)
     procs = Procs(tmp_path / "logs", env)
     try:
-        router = start_router(procs, cluster_file, policy_name(None), extra=["--loglevel", "INFO"])
+        router = start_router(  # no workers: nothing to re-route (streams.rescue)
+            procs,
+            cluster_file,
+            policy_name(None),
+            extra=["--loglevel", "INFO", "--rescue-grace-s", "0"],
+        )
         ids = [f"{prefix}-{i}" for i in range(20)]
         valid = [(q.encode(), f'{{"id": "{q}", "prompt": "hello"}}'.encode()) for q in ids]
         bad = [

@@ -42,6 +42,9 @@ from switchyard.settings import Settings
 pytestmark = pytest.mark.faults
 
 HEARTBEAT_S = 0.5
+# the router re-routes the unstarted queue of an instance silent this long after its
+# heartbeat expired: two heartbeat TTLs (a worker's TTL is three heartbeats)
+RESCUE_GRACE_S = 2 * 3 * HEARTBEAT_S
 SILENT: dict[str, Any] = {}  # the silent-instance test's figures, for the requirement below
 TIME_SCALE = 20.0  # engine seconds per wall second: a 32-token answer takes a few ms
 
@@ -81,6 +84,17 @@ class Rig:
         return proc
 
 
+async def claim_states(settings: Settings, instance_id: str, qids: list[str]) -> dict[str, str]:
+    """Each query's claim on ``instance_id``'s copy (``run``, ``rescue …``, ``rerouted …``, ``-``)."""
+    from state.store import StateStore
+
+    store = await StateStore.connect(**settings.redis_kwargs(), socket_timeout_s=3.0)
+    try:
+        return {q: (await store.claim_state(instance_id, q) or "-") for q in qids}
+    finally:
+        await store.close()
+
+
 async def alive_instances(settings: Settings, ids: list[str]) -> dict[str, bool]:
     from state.store import StateStore
 
@@ -115,7 +129,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         env = service_env(owned, namespace=prefix)
         procs = Procs(home / "logs", env)
         policy = policy_name("shortest-queue", cluster)
-        router = start_router(procs, cluster_file, policy, wait_s=0)
+        router = start_router(
+            procs, cluster_file, policy, wait_s=0, extra=["--rescue-grace-s", f"{RESCUE_GRACE_S:g}"]
+        )
         r = Rig(owned, procs, Settings.from_env(env), cluster, cluster_file, router, policy)
         for inst in cluster.instances:
             r.start_worker(inst.id)
@@ -232,7 +248,13 @@ SILENT_RATE = 100.0
 
 
 async def test_silent_instance_is_excluded_and_its_queue_rerouted(rig: Rig) -> None:
-    """SIGSTOP a worker (by pid): its heartbeats stop while its process and queue remain."""
+    """SIGSTOP a worker (by pid): its heartbeats stop while its process and queue remain.
+
+    The router excludes it once its heartbeat expires; ``RESCUE_GRACE_S`` later its rescuer
+    re-routes the copies the frozen worker had not started (claims in Redis); the copies it
+    had started stay with it (re-running them would duplicate inference) and are answered
+    after ``SIGCONT``, when it also skips the copies re-routed elsewhere.
+    """
     victim = rig.cluster.instances[-1].id
     proc = rig.workers[victim]
     run_id = "hb-" + uuid.uuid4().hex[:6]
@@ -289,17 +311,22 @@ async def test_silent_instance_is_excluded_and_its_queue_rerouted(rig: Rig) -> N
             await await_until(
                 others_answered, 120, "results for every query not sent to the stopped instance"
             )
-            # its queued queries must be re-routed without it coming back
-            rerouted_in_s: float | None
-            try:
-                rerouted_in_s = await await_until(
-                    lambda: all(q in reader.tally.results for q in stranded_before),
-                    8,
-                    "the stopped instance's queued queries to be re-routed and answered",
-                )
-            except AssertionError:
-                rerouted_in_s = None
+            # its queued (unstarted) queries must be re-routed and answered without it coming
+            # back; the ones it had started (claimed to run there) wait for it
+            unstarted_answered_s: float | None = None
+            deadline = time.monotonic() + 20
+            while True:
+                waiting = sorted(q for q in stranded_before if q not in reader.tally.results)
+                claims = await claim_states(rig.settings, victim, waiting)
+                if all(c == "run" for c in claims.values()):
+                    unstarted_answered_s = time.time() - marks["stopped_wall"]
+                    break
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
             unanswered_while_stopped = {q for q in stranded_before if q not in reader.tally.results}
+            claims = await claim_states(rig.settings, victim, sorted(stranded_before))
+            answered_while_stopped = {q for q in stranded_before if q in reader.tally.results}
             os.kill(proc.pid, signal.SIGCONT)
             marks["resumed"] = time.time()
             await await_until(
@@ -309,10 +336,26 @@ async def test_silent_instance_is_excluded_and_its_queue_rerouted(rig: Rig) -> N
             )
             await asyncio.sleep(1.0)
             lost, dup, errors = _result_counts(reader, ids)
+            rerouted_at = {
+                q: min(d["decided_at"] for d in rerouted)
+                for q in stranded_before
+                if (rerouted := [
+                    d for d in reader.tally.ok_routed_decisions(q)
+                    if "rerouted" in d.get("flags", []) and d.get("instance_id") != victim
+                ])
+            }  # fmt: skip
+            answered_by_victim = {
+                q for q in rerouted_at for r in reader.tally.results.get(q, [])
+                if r.get("instance_id") == victim
+            }  # fmt: skip
     finally:
         if proc.alive():
             os.kill(proc.pid, signal.SIGCONT)
 
+    # started by the frozen worker before the stop (claimed to run there): only it can answer
+    started_at_stop = {q for q in unanswered_while_stopped if claims.get(q) == "run"}
+    queued_not_rerouted = unanswered_while_stopped - started_at_stop
+    rerouted_in = sorted(t - marks["stopped_wall"] for t in rerouted_at.values())
     exclusion_s = excluded_wall - marks["stopped_wall"]
     write_figures(
         "5_heartbeat_stop",
@@ -322,11 +365,19 @@ async def test_silent_instance_is_excluded_and_its_queue_rerouted(rig: Rig) -> N
             "heartbeat_interval_s": HEARTBEAT_S,
             "stop_to_excluded_s": round(exclusion_s, 2),
             "decisions_to_instance_after_exclusion": len(to_victim_after),
-            "queued_on_stopped_instance": len(stranded_before),
-            "rerouted_and_answered_while_stopped": len(stranded_before)
-            - len(unanswered_while_stopped),
-            "answered_only_after_resume": len(unanswered_while_stopped),
-            "rerouted_within_s": rerouted_in_s,
+            "rescue_grace_s": RESCUE_GRACE_S,
+            "routed_to_it_before_exclusion": len(stranded_before),
+            "answered_while_stopped": len(answered_while_stopped),
+            "rerouted": len(rerouted_at),
+            "rerouted_answered_while_stopped": len(set(rerouted_at) & answered_while_stopped),
+            "rerouted_but_also_answered_by_stopped_instance": len(answered_by_victim),
+            "started_at_stop_answered_after_resume": len(started_at_stop),
+            "queued_not_rerouted": len(queued_not_rerouted),
+            "stop_to_first_rerouted_s": round(rerouted_in[0], 2) if rerouted_in else None,
+            "stop_to_last_rerouted_s": round(rerouted_in[-1], 2) if rerouted_in else None,
+            "stop_to_all_unstarted_answered_s": (
+                None if unstarted_answered_s is None else round(unstarted_answered_s, 2)
+            ),
             "results_lost": len(lost),
             "duplicated_inference": len(dup),
             "error_results": errors,
@@ -334,10 +385,13 @@ async def test_silent_instance_is_excluded_and_its_queue_rerouted(rig: Rig) -> N
         },
     )
     SILENT.update(
-        stranded=len(unanswered_while_stopped),
-        queued=len(stranded_before),
+        queued_not_rerouted=sorted(queued_not_rerouted),
+        started=len(started_at_stop),
+        rerouted=len(rerouted_at),
         victim=victim,
-        rerouted_in_s=rerouted_in_s,
+        claims={q: claims.get(q) for q in sorted(queued_not_rerouted)[:5]},
+        duplicated=sorted(dup),
+        answered_by_victim=sorted(answered_by_victim),
     )
     assert not lost, f"{len(lost)} results lost after the worker resumed"
     assert not to_victim_after, (
@@ -351,21 +405,18 @@ async def test_silent_instance_is_excluded_and_its_queue_rerouted(rig: Rig) -> N
     )
 
 
-@pytest.mark.xfail(
-    reason="nothing re-routes the queries already sent to an instance that stops "
-    "heart-beating (DecisionFlag.REROUTED is never set): streams/ excludes the instance "
-    "from new windows only, so its queued queries wait in route.<id> until it comes back. "
-    "Fix: a router-side reaper that re-routes the slots/residents of an expired instance "
-    "(flag REROUTED) and a worker-side check that skips a query re-routed elsewhere",
-    strict=False,
-)
 def test_silent_instance_queue_rerouted() -> None:
+    """Every copy the silent instance had not started was re-routed and answered while it
+    was stopped; after ``SIGCONT`` its worker ran none of them again."""
     if not SILENT:
         pytest.skip("the silent-instance test did not run")
-    unanswered_while_stopped, stranded_before = SILENT["stranded"], SILENT["queued"]
-    victim, rerouted_in_s = SILENT["victim"], SILENT["rerouted_in_s"]
-    assert not unanswered_while_stopped, (
-        f"{unanswered_while_stopped} of the {stranded_before} queries queued on the "
-        f"silent instance {victim} were not re-routed (answered only after it resumed: "
-        f"rerouted_in_s={rerouted_in_s})"
+    victim, queued = SILENT["victim"], SILENT["queued_not_rerouted"]
+    assert not queued, (
+        f"{len(queued)} queries queued (not started) on the silent instance {victim} were "
+        f"not re-routed and answered while it was stopped, e.g. {queued[:5]} "
+        f"(claims {SILENT['claims']}; {SILENT['rerouted']} were re-routed)"
     )
+    assert not SILENT["answered_by_victim"], (
+        f"re-routed queries also run by {victim} after it resumed: {SILENT['answered_by_victim']}"
+    )
+    assert not SILENT["duplicated"], f"duplicated inference: {SILENT['duplicated'][:5]}"

@@ -342,6 +342,48 @@ async def test_backend_down_gives_error_results_and_releases_budget(env: dict[st
     assert worker.counts["errors"] == 3
 
 
+async def test_copies_rerouted_elsewhere_are_skipped_and_never_settled(
+    env: dict[str, Any],
+) -> None:
+    """The claim (``StateStore.claim_run``): a copy a rescuer re-routed is skipped without
+    touching the ledger (the re-route owns it); a copy whose rescuer died (lease ran out)
+    is run here; offsets of all of them are finished."""
+    iid = "claim-" + uuid.uuid4().hex[:8]
+    state: StateStore = env["state"]
+    period = period_id(time.time(), 3600)
+    queries = [_routed(f"{iid}-q{i}", iid, period) for i in range(4)]
+    q0, q1, q2, q3 = (rq.query.id for rq in queries)
+    await state.reserve_budget("acme", period, 10.0, {rq.query.id: 0.5 for rq in queries})
+    assert await state.claim_rescue(iid, [q0, q3], "r1", lease_s=30) == ["won", "won"]
+    assert await state.claim_rerouted(iid, [q0, q3], "r1") == ["won", "won"]
+    await state.mark_result(q3, 60, cost_usd=0.25)  # its re-routed copy was answered
+    assert await state.claim_rescue(iid, [q1], "dead", lease_s=0.6) == ["won"]
+    await _produce(
+        env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
+    )
+    dead = f"http://127.0.0.1:{free_port()}"
+    backend = VllmBackend(VllmConfig(endpoint=dead, model="tiny", retries=0, backoff_s=0.01))
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.2), _cluster(iid), backend,
+        env["settings"], state,
+    )  # fmt: skip
+    client: SwitchyardClient = env["client"]
+    async with running(worker):
+        ran = {q: await client.result(q, timeout_s=20) for q in (q1, q2)}
+        async with asyncio.timeout(10):
+            while worker._tracker.unfinished() or worker._tracker.committable():
+                await asyncio.sleep(0.05)
+    assert all(r.instance_id == iid for r in ran.values())
+    assert worker.counts["results"] == 2
+    assert worker.counts["rerouted_skipped"] == 1  # q0 (q3 is skipped by its result mark)
+    assert worker.counts["duplicates_skipped"] == 2
+    assert await state.claim_state(iid, q1) == "run"  # the lapsed lease went to the worker
+    status = await state.budget_status("acme", period)
+    # q1, q2 settled here; q0, q3 untouched (their re-route owns those entries)
+    assert status.n_settled == 2 and status.reserved_usd == pytest.approx(1.0)
+    assert await state.slots_held(iid) == []
+
+
 async def test_sim_backend_and_step_timings(env: dict[str, Any], kafka_bootstrap: str) -> None:
     iid = "sim-" + uuid.uuid4().hex[:8]
     cluster = _cluster(iid, max_concurrency=8)
