@@ -444,9 +444,7 @@ class Rescuer:
                     qid = s.routed.query.id
                     self._inflight[qid] = _InFlight(
                         iid,
-                        to_pending(
-                            s, now, self._finisher(iid, qid), lambda q=qid: q in self._inflight
-                        ),
+                        to_pending(s, now, self._finisher(iid, qid), self._wanted(qid)),
                     )
                 self.counts["claimed"] += len(won)
                 log.warning(
@@ -468,6 +466,10 @@ class Rescuer:
         for (tenant, period), qids in by_ledger.items():
             await self.state.release_budget(tenant, period, qids)
         await self.state.release_slots(iid, [s.routed.query.id for s in won])
+
+    def _wanted(self, qid: str) -> Callable[[], bool]:
+        """Whether the service should still route ``qid`` (False once its claim is gone)."""
+        return lambda: qid in self._inflight
 
     def _finisher(self, iid: str, qid: str) -> Callable[[Inbound], None]:
         def done(_inbound: Inbound) -> None:  # called by the service once Kafka acknowledged
