@@ -80,6 +80,19 @@ class WorkerConfig:
     metrics_port: int | None = None  # None: no endpoint; 0: a free port
     limits: Limits = Limits()
     report_timings: bool = True
+    # how often the consumer refreshes the route topic's metadata (aiokafka's default: 5 min).
+    # A group that joins while the broker's metadata does not list the route topic yet (just
+    # created: KRaft brokers learn of it asynchronously) gets an empty assignment, and aiokafka
+    # re-joins only when a refresh shows the partition. Meanwhile the worker heart-beats, so it
+    # is routed to and consumes nothing: bug 10, the losses of faults scenario 4.
+    metadata_refresh_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.metadata_refresh_s <= 300.0:
+            raise ValueError(
+                f"WorkerConfig.metadata_refresh_s must be within 0.1-300 s, "
+                f"got {self.metadata_refresh_s!r}"
+            )
 
 
 class WorkerFatal(RuntimeError):
@@ -186,6 +199,7 @@ class Worker:
             auto_offset_reset="earliest",
             isolation_level="read_committed",  # routers may write routed messages in transactions
             max_partition_fetch_bytes=1_048_576,
+            metadata_max_age_ms=int(self.config.metadata_refresh_s * 1000),
         )
         metrics_runner = None
         heartbeat: asyncio.Task[None] | None = None

@@ -246,3 +246,12 @@ async def test_realtime_engine_streams_every_request_to_completion() -> None:
         prefills = [f for k, _, f in evs if k == "prefill"]
         assert all(0 < f < prompt for f in prefills) and prefills == sorted(prefills)
     assert eng.n_running == 0 and eng.n_waiting == 0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, 0.05, 301.0, float("nan")])
+def test_worker_config_rejects_a_bad_metadata_refresh(bad: float) -> None:
+    from workers.worker import WorkerConfig
+
+    with pytest.raises(ValueError, match="metadata_refresh_s"):
+        WorkerConfig(instance_id="x", metadata_refresh_s=bad)
+    assert WorkerConfig(instance_id="x").metadata_refresh_s == 5.0

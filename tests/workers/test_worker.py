@@ -473,3 +473,55 @@ async def test_redis_outage_does_not_stop_results_and_state_rebuilds(
         await state.close()
         services.stop_record(rec, tmp_path)
     assert worker.counts["results"] == 6
+
+
+async def test_worker_consumes_its_route_topic_when_it_appears_after_the_group_joined(
+    env: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug 10 (faults scenario 4): a worker whose group joined while the broker's metadata did
+    not list its route topic yet got an empty assignment, heart-beat (so it was routed to) and
+    consumed nothing until aiokafka's next metadata refresh, 5 min later. The worker's
+    consumer refreshes its metadata every ``metadata_refresh_s`` so it joins the partition."""
+    iid = "late-" + uuid.uuid4().hex[:8]
+    route = topics.route(iid)
+    real_ensure = topics.ensure_topics
+
+    async def all_but_the_route(kafka_kwargs: Any, names: Any, *a: Any, **kw: Any) -> list[str]:
+        return await real_ensure(kafka_kwargs, [n for n in names if n != route], *a, **kw)
+
+    monkeypatch.setattr(topics, "ensure_topics", all_but_the_route)
+    cluster = _cluster(iid)
+    backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.1),
+        cluster,
+        backend,
+        env["settings"],
+        env["state"],
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        # the group joins with no partition metadata for the route topic: an empty assignment
+        async with asyncio.timeout(30):
+            while _generation(worker) < 1:
+                if task.done():
+                    await task
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # the join's sync and assignment
+        assert worker._consumer.assignment() == set(), "precondition: joined before the topic"
+        await real_ensure({"bootstrap_servers": env["settings"].kafka}, [route])
+        rq = _routed(f"{iid}-q0", iid, period_id(time.time(), 3600))
+        await _produce(env["producer"], route, [rq.model_dump_json().encode()])
+        client: SwitchyardClient = env["client"]
+        result = await client.result(rq.query.id, timeout_s=30)
+    finally:
+        stop.set()
+        await task
+    assert result.error is None and worker.started.is_set()
+
+
+def _generation(worker: Worker) -> int:
+    """The worker's consumer-group generation (-1 until its group has been joined)."""
+    coordinator = getattr(worker._consumer, "_coordinator", None)
+    return int(getattr(coordinator, "generation", -1))
