@@ -88,3 +88,4 @@ async def test_kafka_ready_works_from_async_code(kafka_bootstrap: str) -> None:
 
     assert services.kafka_ready(kafka_bootstrap)
     assert not services.kafka_ready(f"127.0.0.1:{services.free_port()}", timeout_s=1.0)
+

@@ -1,0 +1,86 @@
+"""``switchyard.topics.ensure_topics`` returns only once the broker's metadata lists what it
+created (a group joined earlier gets an empty assignment: faults scenario 4, bug 10)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from switchyard import topics
+
+
+class Admin:
+    """An admin client whose metadata lists a topic only after ``lag`` describe calls."""
+
+    def __init__(self, lag: int, existing: tuple[str, ...] = ()) -> None:
+        self.lag = lag
+        self.existing = list(existing)
+        self.described = 0
+        self.created: list[str] = []
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def list_topics(self) -> list[str]:
+        return self.existing
+
+    async def create_topics(self, new: list[Any]) -> None:
+        self.created += [t.name for t in new]
+
+    async def describe_topics(self, names: list[str]) -> list[dict[str, Any]]:
+        self.described += 1
+        if self.described <= self.lag:  # what a KRaft broker answers right after a create
+            if self.described == 1:
+                return [{"topic": n, "error_code": 3, "partitions": []} for n in names]
+            return [{"topic": n, "error_code": 0, "partitions": [{"partition": 0, "leader": -1}]}
+                    for n in names]  # fmt: skip
+        return [{"topic": n, "error_code": 0, "partitions": [{"partition": 0, "leader": 1}]}
+                for n in names]  # fmt: skip
+
+
+class Admins:
+    """Installs ``Admin``s with a given metadata lag in place of aiokafka's admin client."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.made: list[Admin] = []
+
+    def use(self, lag: int) -> None:
+        def build(**_kw: Any) -> Admin:
+            self.made.append(Admin(lag))
+            return self.made[-1]
+
+        self.monkeypatch.setattr("aiokafka.admin.AIOKafkaAdminClient", build)
+
+
+@pytest.fixture
+def admins(monkeypatch: pytest.MonkeyPatch) -> Admins:
+    return Admins(monkeypatch)
+
+
+async def test_waits_until_created_topics_have_leaders(admins: Admins) -> None:
+    admins.use(lag=3)
+    created = await topics.ensure_topics({}, ["route.a", "route.b"])
+    got = admins.made[-1]
+    assert created == ["route.a", "route.b"] and got.created == created
+    assert got.described == 4  # unknown, leaderless, leaderless, then visible
+
+
+async def test_gives_up_with_a_warning_naming_the_topics(
+    admins: Admins, caplog: pytest.LogCaptureFixture
+) -> None:
+    admins.use(lag=10**9)  # never visible
+    with caplog.at_level(logging.WARNING, logger="switchyard.topics"):
+        await topics.ensure_topics({}, ["route.slow"], visible_timeout_s=0.2)
+    assert admins.made[-1].described >= 2
+    assert "route.slow" in caplog.text and "not yet in the broker's metadata" in caplog.text
+
+
+async def test_existing_topics_are_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = Admin(lag=10**9, existing=("queries",))
+    monkeypatch.setattr("aiokafka.admin.AIOKafkaAdminClient", lambda **_kw: held)
+    assert await topics.ensure_topics({}, ["queries"]) == []
+    assert held.described == 0
