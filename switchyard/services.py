@@ -295,15 +295,19 @@ def _kafka_up_once(
     )
     _save(rec, home)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise ServiceError(f"Kafka broker exited with {child.returncode}:\n{tail}")
-        if kafka_ready(rec.address, cluster_id=cluster_id):
-            return rec
-        time.sleep(0.5)
-    stop_record(rec, home)
-    raise ServiceError(f"Kafka broker not ready after {timeout_s:.0f} s; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise ServiceError(f"Kafka broker exited with {child.returncode}:\n{tail}")
+            if kafka_ready(rec.address, cluster_id=cluster_id):
+                return rec
+            time.sleep(0.5)
+        raise ServiceError(f"Kafka broker not ready after {timeout_s:.0f} s; see {log}")
+    except BaseException:  # not ready, a probe that failed, or interrupted: stop what we started
+        _stop_child(child)
+        stop_record(rec, home)
+        raise
 
 
 def base64_uuid() -> str:
@@ -452,19 +456,23 @@ def redis_up(
     )
     _save(rec, home)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise ServiceError(
-                f"redis-server exited with {child.returncode}:\n{log.read_text()[-2000:]}"
-            )
-        version = redis_version(rec.address, password=password, tls=tls, pid=child.pid)
-        if version:
-            rec.version = version
-            _save(rec, home)
-            return rec
-        time.sleep(0.2)
-    stop_record(rec, home)
-    raise ServiceError(f"redis-server not answering PING after {timeout_s:.0f} s; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                raise ServiceError(
+                    f"redis-server exited with {child.returncode}:\n{log.read_text()[-2000:]}"
+                )
+            version = redis_version(rec.address, password=password, tls=tls, pid=child.pid)
+            if version:
+                rec.version = version
+                _save(rec, home)
+                return rec
+            time.sleep(0.2)
+        raise ServiceError(f"redis-server not answering PING after {timeout_s:.0f} s; see {log}")
+    except BaseException:  # not ready, a probe that failed, or interrupted: stop what we started
+        _stop_child(child)
+        stop_record(rec, home)
+        raise
 
 
 def redis_version(
@@ -488,6 +496,23 @@ def redis_version(
 
 
 # --------------------------------------------------------------------------- stop / status
+
+
+def _stop_child(child: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Stop a process this launcher just started, through its own ``Popen``.
+
+    ``stop_record`` recognises a service by the marker in its command line, which a child
+    that has not exec'd yet (a failure right after the start) does not show; the ``Popen``
+    is ours whatever it shows, and never signals a pid it has already reaped.
+    """
+    if child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def stop_record(

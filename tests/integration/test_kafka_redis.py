@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -89,3 +90,32 @@ async def test_kafka_ready_works_from_async_code(kafka_bootstrap: str) -> None:
     assert services.kafka_ready(kafka_bootstrap)
     assert not services.kafka_ready(f"127.0.0.1:{services.free_port()}", timeout_s=1.0)
 
+
+
+@pytest.mark.parametrize("service", ["kafka", "redis"])
+def test_a_failed_start_leaves_nothing_running(
+    service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A readiness probe that raises (once: asyncio.run inside a running loop) must not leave
+    the process it was probing behind: the launcher stops what it started, then re-raises."""
+    from switchyard import services
+
+    def broken(*_a: object, **_kw: object) -> bool:
+        raise RuntimeError("probe broke")
+
+    monkeypatch.setattr(services, "kafka_ready" if service == "kafka" else "redis_version", broken)
+    up = services.kafka_up if service == "kafka" else services.redis_up
+    with pytest.raises(RuntimeError, match="probe broke"):
+        up(home=tmp_path, port=services.free_port())
+    assert services.load_records(tmp_path) == {}
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    mine = []
+    for pid in pids:
+        proc = Path("/proc") / str(pid)
+        try:  # the command line names the data dir until redis-server retitles itself; cwd stays
+            cmd, cwd = proc.joinpath("cmdline").read_bytes(), str(proc.joinpath("cwd").resolve())
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmd or cwd.startswith(str(tmp_path)):
+            mine.append(pid)
+    assert not mine, f"processes left running from {tmp_path}: {mine}"
