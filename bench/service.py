@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -273,29 +274,47 @@ def main() -> int:
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
-    from state import StateStore
-
+    """Use the running services (env or `switchyard services up`), else start ours and stop
+    exactly those at the end, whatever happened (a failed start included)."""
     started: list[str] = []
     home = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
     bootstrap = os.environ.get("SWITCHYARD_KAFKA")
     redis_url = os.environ.get("SWITCHYARD_REDIS")
-    if not bootstrap or not redis_url:
-        recs = {n: r for n, r in services.load_records().items() if r.alive()}
-        if "kafka" in recs and "redis" in recs and not bootstrap and not redis_url:
-            bootstrap, redis_url = recs["kafka"].address, recs["redis"].address
-        else:
-            if not redis_url:
-                redis_url = services.redis_up(home=home, port=services.free_port()).address
-                started.append("redis")
-            if not bootstrap:
-                bootstrap = services.kafka_up(home=home, port=services.free_port()).address
-                started.append("kafka")
-    if args.core:
-        try:
-            return await core(args, bootstrap, redis_url, home)
-        finally:
-            if started:
-                services.down(home, names=started)
+    kept = False
+    try:
+        if not bootstrap or not redis_url:
+            recs = {n: r for n, r in services.load_records().items() if r.alive()}
+            if "kafka" in recs and "redis" in recs and not bootstrap and not redis_url:
+                bootstrap, redis_url = recs["kafka"].address, recs["redis"].address
+            else:
+                if not redis_url:
+                    started.append("redis")
+                    redis_url = services.redis_up(home=home, port=services.free_port()).address
+                if not bootstrap:
+                    started.append("kafka")
+                    bootstrap = services.kafka_up(home=home, port=services.free_port()).address
+        out = await (core if args.core else flood)(args, bootstrap, redis_url, home)
+        if "router_exit" in out:  # a router died: keep its logs
+            kept = True
+            out["logs"] = str(home / "logs")
+        return out
+    except BaseException:
+        kept = True
+        print(f"bench: logs kept in {home}", file=sys.stderr)
+        raise
+    finally:
+        if started:
+            services.down(home, names=started)
+        if not kept:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+async def flood(
+    args: argparse.Namespace, bootstrap: str, redis_url: str, home: Path
+) -> dict[str, object]:
+    """Routers as subprocesses, a flood then a latency phase (the end-to-end figures)."""
+    from state import StateStore
+
     rid = "b" + uuid.uuid4().hex[:6]
     spec = cluster_spec(rid, args.instances)
     cluster_file = home / "cluster.json"
@@ -386,8 +405,6 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         await hb
         procs.stop_all()
         await store.close()
-        if started:
-            services.down(home, names=started)
     return out
 
 
