@@ -240,7 +240,8 @@ async def test_router_routes_each_query_once_within_budget_and_capacity(
 async def test_router_killed_mid_stream_loses_nothing(
     kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
-    """kill -9 the router while it routes, start another: every query routed, none twice."""
+    """kill -9 the router while it routes, start another: every query routed, none routed
+    twice (identical re-sends of a route intent to the same instance are counted apart)."""
     rid = "k" + uuid.uuid4().hex[:6]
     cluster = cluster_yaml(rid, tmp_path / "cluster.json")
     ns = f"t{rid}"
@@ -272,7 +273,14 @@ async def test_router_killed_mid_stream_loses_nothing(
         )
         await producer.start()
         ids = [f"{rid}-q{i}" for i in range(n)]
-        routed: Counter[str] = Counter()
+        routed: Counter[str] = Counter()  # route messages per query
+        routings: dict[str, set[tuple[str, str]]] = {}  # distinct (topic, decision) per query
+
+        def count(topic: str, value: bytes) -> RoutedQuery:
+            rq = RoutedQuery.model_validate_json(value)
+            routed[rq.query.id] += 1
+            routings.setdefault(rq.query.id, set()).add((topic, rq.decision.model_dump_json()))
+            return rq
 
         async def produce() -> None:
             for qid in ids:
@@ -286,8 +294,7 @@ async def test_router_killed_mid_stream_loses_nothing(
                 batch = await consumer.getmany(timeout_ms=300)
                 for records in batch.values():
                     for r in records:
-                        rq = RoutedQuery.model_validate_json(r.value)
-                        routed[rq.query.id] += 1
+                        rq = count(r.topic, r.value)
                         await store.resident_done(rq.decision.instance_id, rq.query.id)
 
         sending = asyncio.create_task(produce())
@@ -302,15 +309,18 @@ async def test_router_killed_mid_stream_loses_nothing(
         batch = await consumer.getmany(timeout_ms=1000, max_records=100000)
         for records in batch.values():
             for r in records:
-                routed[RoutedQuery.model_validate_json(r.value).query.id] += 1
+                count(r.topic, r.value)
         await producer.stop()
         await consumer.stop()
         assert second.alive(), second.tail()
         assert all(routed[q] >= 1 for q in ids), "a query was lost"
-        twice = [q for q in ids if routed[q] > 1]
-        # the only window for a second route is a crash between Kafka's ack and the Redis mark
-        assert len(twice) <= 5, f"{len(twice)} routed twice, e.g. {twice[:5]}"
-        print(f"killed mid-stream: {n} queries, 0 lost, {len(twice)} routed twice")
+        # routed twice: another instance or another decision. The same decision sent again
+        # to the same instance is the successor's re-send of a route intent (the worker drops
+        # the copy by id); it is counted, not an error
+        twice = [q for q in ids if len(routings[q]) > 1]
+        resent = sum(routed[q] - len(routings[q]) for q in ids)
+        assert not twice, f"{len(twice)} routed twice, e.g. {[(q, routings[q]) for q in twice[:3]]}"
+        print(f"killed mid-stream: {n} queries, 0 lost, 0 routed twice, {resent} re-sent copies")
     finally:
         procs.stop_all()
         await store.close()
