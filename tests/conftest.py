@@ -88,3 +88,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "shared_data" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_blas_thread() -> Iterator[None]:
+    """OpenBLAS threads busy-wait: on a loaded 2-core machine these small fits run ~10x
+    slower with them. One thread for this module, restored afterwards."""
+    import ctypes
+    import glob
+
+    import numpy as np
+
+    libs = glob.glob(str(Path(np.__file__).parent.parent / "numpy.libs" / "libscipy_openblas*.so"))
+    saved = []
+    for lib in libs:
+        dll = ctypes.CDLL(lib)
+        get = getattr(dll, "scipy_openblas_get_num_threads64_", None)
+        put = getattr(dll, "scipy_openblas_set_num_threads64_", None)
+        if get is not None and put is not None:
+            saved.append((int(get()), put))
+            put(1)
+    yield
+    for n, put in saved:
+        put(n)

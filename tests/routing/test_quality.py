@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,26 +26,8 @@ from routing.quality.evaluate import (
     route_per_query,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_blas_thread() -> Iterator[None]:
-    """OpenBLAS threads busy-wait: on a loaded 2-core machine these small fits run ~10x
-    slower with them. One thread for this module, restored afterwards."""
-    import ctypes
-    import glob
-
-    libs = glob.glob(str(Path(np.__file__).parent.parent / "numpy.libs" / "libscipy_openblas*.so"))
-    saved = []
-    for lib in libs:
-        dll = ctypes.CDLL(lib)
-        get = getattr(dll, "scipy_openblas_get_num_threads64_", None)
-        put = getattr(dll, "scipy_openblas_set_num_threads64_", None)
-        if get is not None and put is not None:
-            saved.append((int(get()), put))
-            put(1)
-    yield
-    for n, put in saved:
-        put(n)
+# OpenBLAS threads busy-wait: one BLAS thread for this module (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_blas_thread")
 
 
 TASK_WORDS = {

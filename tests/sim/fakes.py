@@ -10,6 +10,20 @@ from routing.types import Budget, InstanceView
 from schemas import ClusterConfig, Decision, DecisionStatus, Query
 from sim.traffic import SloSpec, Workload, build_workload
 
+
+def routed(q: Query, v: InstanceView, policy: str, now: float) -> Decision:
+    """The ROUTED decision a toy router makes for ``q`` on ``v``."""
+    return Decision(
+        query_id=q.id,
+        tenant=q.tenant,
+        status=DecisionStatus.ROUTED,
+        instance_id=v.instance_id,
+        model=v.model,
+        policy=policy,
+        decided_at=now,
+    )
+
+
 STEP = {
     "c0_ms": 5.0,
     "c1_ms_per_token": 0.02,
@@ -97,17 +111,7 @@ class RoundRobin:
         for q in queries:
             v = instances[self._k % len(instances)]
             self._k += 1
-            out.append(
-                Decision(
-                    query_id=q.id,
-                    tenant=q.tenant,
-                    status=DecisionStatus.ROUTED,
-                    instance_id=v.instance_id,
-                    model=v.model,
-                    policy=self.name,
-                    decided_at=now,
-                )
-            )
+            out.append(routed(q, v, self.name, now))
         return out
 
 
@@ -197,15 +201,5 @@ class FirstFree:
                 )
                 continue
             free[pick.instance_id] -= 1
-            out.append(
-                Decision(
-                    query_id=q.id,
-                    tenant=q.tenant,
-                    status=DecisionStatus.ROUTED,
-                    instance_id=pick.instance_id,
-                    model=pick.model,
-                    policy=self.name,
-                    decided_at=now,
-                )
-            )
+            out.append(routed(q, pick, self.name, now))
         return out

@@ -82,10 +82,11 @@ async def end_offsets(bootstrap: str, names: list[str]) -> dict[TopicPartition, 
         await consumer.stop()
 
 
-async def test_router_routes_each_query_once_within_budget_and_capacity(
-    kafka_bootstrap: str, redis_url: str, tmp_path: Path
-) -> None:
-    rid = "r" + uuid.uuid4().hex[:6]
+async def rig(
+    prefix: str, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> tuple[str, ClusterConfig, ProcessGroup, StateStore]:
+    """A run id, its cluster file, a process group with the services' env, its Redis namespace."""
+    rid = prefix + uuid.uuid4().hex[:6]
     cluster = cluster_yaml(rid, tmp_path / "cluster.json")
     ns = f"t{rid}"
     env = dict(
@@ -95,7 +96,13 @@ async def test_router_routes_each_query_once_within_budget_and_capacity(
         SWITCHYARD_NAMESPACE=ns,
     )
     procs = ProcessGroup(tmp_path / "logs", env=env)
-    store = await StateStore.connect(redis_url, namespace=ns)
+    return rid, cluster, procs, await StateStore.connect(redis_url, namespace=ns)
+
+
+async def test_router_routes_each_query_once_within_budget_and_capacity(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    rid, cluster, procs, store = await rig("r", kafka_bootstrap, redis_url, tmp_path)
     stop = asyncio.Event()
 
     async def heartbeats() -> None:
@@ -242,17 +249,7 @@ async def test_router_killed_mid_stream_loses_nothing(
 ) -> None:
     """kill -9 the router while it routes, start another: every query routed, none routed
     twice (identical re-sends of a route intent to the same instance are counted apart)."""
-    rid = "k" + uuid.uuid4().hex[:6]
-    cluster = cluster_yaml(rid, tmp_path / "cluster.json")
-    ns = f"t{rid}"
-    env = dict(
-        os.environ,
-        SWITCHYARD_KAFKA=kafka_bootstrap,
-        SWITCHYARD_REDIS=redis_url,
-        SWITCHYARD_NAMESPACE=ns,
-    )
-    procs = ProcessGroup(tmp_path / "logs", env=env)
-    store = await StateStore.connect(redis_url, namespace=ns)
+    rid, cluster, procs, store = await rig("k", kafka_bootstrap, redis_url, tmp_path)
     for inst in cluster.instances:  # capacity never binds here: only crash safety is tested
         await store.heartbeat(inst.id, inst.model, 600.0, MAX_CONCURRENCY)
     args = ["router", "--cluster", str(tmp_path / "cluster.json"), "--policy", "tests.streams.fake_router:factory",
@@ -330,17 +327,7 @@ async def test_router_with_held_queries_stops_promptly_and_hands_them_over(
     kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
     """SIGTERM while queries wait for capacity: the router exits, the next one routes them."""
-    rid = "h" + uuid.uuid4().hex[:6]
-    cluster = cluster_yaml(rid, tmp_path / "cluster.json")
-    ns = f"t{rid}"
-    env = dict(
-        os.environ,
-        SWITCHYARD_KAFKA=kafka_bootstrap,
-        SWITCHYARD_REDIS=redis_url,
-        SWITCHYARD_NAMESPACE=ns,
-    )
-    procs = ProcessGroup(tmp_path / "logs", env=env)
-    store = await StateStore.connect(redis_url, namespace=ns)
+    rid, cluster, procs, store = await rig("h", kafka_bootstrap, redis_url, tmp_path)
     for inst in cluster.instances:
         await store.heartbeat(inst.id, inst.model, 600.0, MAX_CONCURRENCY)
     args = ["router", "--cluster", str(tmp_path / "cluster.json"), "--policy", "tests.streams.fake_router:factory",

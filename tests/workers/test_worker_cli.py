@@ -48,31 +48,29 @@ def _cluster_file(tmp_path: Path, iid: str) -> Path:
     return path
 
 
+def _env(kafka_bootstrap: str, redis_url: str, ns_prefix: str) -> dict[str, str]:
+    """The services and a fresh Redis namespace for one worker subprocess."""
+    return {
+        **os.environ,
+        "SWITCHYARD_KAFKA": kafka_bootstrap,
+        "SWITCHYARD_REDIS": redis_url,
+        "SWITCHYARD_NAMESPACE": ns_prefix + uuid.uuid4().hex[:6],
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _worker_cmd(iid: str, cluster: Path, *extra: str) -> list[str]:
+    """``switchyard worker`` on the sim backend for instance ``iid``."""
+    return [sys.executable, "-m", "switchyard.cli", "worker", "--instance", iid,
+            "--cluster", str(cluster), "--backend", "sim", *extra]  # fmt: skip
+
+
 async def test_worker_command_runs_and_stops_cleanly(
     kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
     iid = "cli-" + uuid.uuid4().hex[:8]
-    env = {
-        **os.environ,
-        "SWITCHYARD_KAFKA": kafka_bootstrap,
-        "SWITCHYARD_REDIS": redis_url,
-        "SWITCHYARD_NAMESPACE": "cli" + uuid.uuid4().hex[:6],
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "switchyard.cli",
-        "worker",
-        "--instance",
-        iid,
-        "--cluster",
-        str(_cluster_file(tmp_path, iid)),
-        "--backend",
-        "sim",
-        "--time-scale",
-        "4",
-    ]
+    env = _env(kafka_bootstrap, redis_url, "cli")
+    cmd = _worker_cmd(iid, _cluster_file(tmp_path, iid), "--time-scale", "4")
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -143,29 +141,8 @@ async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
     data = json.loads(cluster.read_text())
     data["models"][0]["max_concurrency"] = 2
     cluster.write_text(json.dumps(data))
-    env = {
-        **os.environ,
-        "SWITCHYARD_KAFKA": kafka_bootstrap,
-        "SWITCHYARD_REDIS": redis_url,
-        "SWITCHYARD_NAMESPACE": "kill" + uuid.uuid4().hex[:6],
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "switchyard.cli",
-        "worker",
-        "--instance",
-        iid,
-        "--cluster",
-        str(cluster),
-        "--backend",
-        "sim",
-        "--time-scale",
-        "0.5",
-        "--heartbeat-s",
-        "0.2",
-    ]
+    env = _env(kafka_bootstrap, redis_url, "kill")
+    cmd = _worker_cmd(iid, cluster, "--time-scale", "0.5", "--heartbeat-s", "0.2")
 
     def start(name: str) -> subprocess.Popen[bytes]:
         with open(tmp_path / name, "wb") as out:
