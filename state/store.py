@@ -585,9 +585,10 @@ class StateStore:
         """
         if not intents:
             return 0
+        for iid in {i.instance_id for i in intents.values()}:
+            self.keys.heartbeat(iid)  # validates each instance id once, not once per query
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, intent in intents.items():
-            self.keys.heartbeat(intent.instance_id)  # validates the id
             payload = f"{intent.instance_id}\n{intent.decision_json}"
             groups.setdefault(dedupe_bucket(qid), []).append((qid, payload))
         calls: list[tuple[Sequence[str], Sequence[Any]]] = [
