@@ -56,6 +56,9 @@ class ModelSpec(BaseModel):
     mean_output_tokens: float | None = Field(default=None, gt=0)
     # Output cap sent to the engine when a query sets none; the budget ledger reserves up to it.
     max_output_tokens: int = Field(default=4096, ge=1, le=1_000_000)
+    # The engine's context window (vLLM ``--max-model-len``): prompt + output tokens of one
+    # request must fit in it. None: not known (no length check against the model).
+    max_model_len: int | None = Field(default=None, ge=1, le=16_777_216)
 
     def cost_usd(self, prompt_tokens: float, output_tokens: float) -> float:
         return self.input_usd_per_token * prompt_tokens + self.output_usd_per_token * output_tokens
