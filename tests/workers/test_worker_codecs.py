@@ -15,7 +15,7 @@ from schemas import DeadLetter
 from state import period_id
 from switchyard import topics
 from tests.real_producers import CODECS, console_produce, kcat_produce
-from tests.workers.test_worker import _cluster, _read_topic, _routed, env, running  # noqa: F401
+from tests.workers.test_worker import _cluster, _read_topic, _routed, running
 from workers.backends.sim import SimBackend
 from workers.worker import Worker, WorkerConfig
 
@@ -46,7 +46,7 @@ def sim_worker(iid: str, rig: dict[str, Any]) -> Worker:
 
 async def test_worker_answers_routed_queries_of_every_codec(
     env: dict[str, Any],
-    kafka_bootstrap: str,  # noqa: F811
+    kafka_bootstrap: str,
 ) -> None:
     iid = "codec-" + uuid.uuid4().hex[:8]
     topic = topics.route(iid)
@@ -65,7 +65,7 @@ async def test_worker_answers_routed_queries_of_every_codec(
 
 
 async def test_undecodable_batch_is_dead_lettered_and_the_worker_goes_on(
-    env: dict[str, Any],  # noqa: F811
+    env: dict[str, Any],
     kafka_bootstrap: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -16,7 +16,7 @@ import pytest
 from schemas import DeadLetter, Result
 from state import period_id
 from switchyard import topics
-from tests.workers.test_worker import _produce, _read_topic, _routed, env, running  # noqa: F401
+from tests.workers.test_worker import _produce, _read_topic, _routed, running
 from tests.workers.test_worker_codecs import sim_worker
 from workers import worker as worker_mod
 from workers.worker import STAGE_TRIES, Worker
@@ -82,7 +82,7 @@ def _inject(worker: Worker, stage: str, poison: str, calls: Counter[str]) -> Non
 async def test_fault_at_a_stage_is_contained(
     stage: str,
     env: dict[str, Any],
-    kafka_bootstrap: str,  # noqa: F811
+    kafka_bootstrap: str,
 ) -> None:
     iid = f"st-{stage[:4]}-" + uuid.uuid4().hex[:6]
     period = period_id(time.time(), 3600)
@@ -134,7 +134,7 @@ async def test_fault_at_a_stage_is_contained(
 
 async def test_commit_fault_is_retried_and_offsets_still_move(
     env: dict[str, Any],
-    kafka_bootstrap: str,  # noqa: F811
+    kafka_bootstrap: str,
 ) -> None:
     iid = "st-comm-" + uuid.uuid4().hex[:6]
     period = period_id(time.time(), 3600)
@@ -168,7 +168,7 @@ async def test_commit_fault_is_retried_and_offsets_still_move(
 
 async def test_query_whose_worker_died_each_time_is_not_started_again(
     env: dict[str, Any],
-    kafka_bootstrap: str,  # noqa: F811
+    kafka_bootstrap: str,
 ) -> None:
     """Started MAX_RUNS times without an answer (the worker died running it each time): the
     next delivery answers it with an error Result and a dead letter instead of a crash loop."""
