@@ -60,7 +60,7 @@ from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
-from switchyard import topics
+from wiring import topics
 
 log = logging.getLogger("switchyard.router")
 
