@@ -51,7 +51,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from state import StateStore, StateUnavailable, period_id
-from wiring import kafka_admin, topics
+from wiring import kafka_admin, kafka_records, topics
 from wiring.settings import Settings
 from workers.backends.base import Backend, Generation, GenerationRequest
 from workers.metrics import WorkerMetrics, serve_metrics
@@ -186,6 +186,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set, then finish in-flight work and commit. Raises ``WorkerFatal``."""
         kw = self.settings.kafka_kwargs(client_id=f"switchyard-worker-{self.instance_id}")
+        kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
         await kafka_admin.ensure_topics(
             kw, [self.topic, topics.RESULTS, topics.DEAD_LETTERS, topics.STEP_TIMINGS]
         )
@@ -316,6 +317,10 @@ class Worker:
     async def _process(self, rec: ConsumerRecord[Any, Any]) -> None:
         received = time.time()
         raw: bytes | None = rec.value
+        undecodable = kafka_records.undecodable_reason(rec.headers, raw)
+        if undecodable is not None:
+            await self._dead_letter(rec, undecodable, received, stage="decode")
+            return
         try:
             rq = parse_model(RoutedQuery, raw, self.config.limits, "routed query")
         except BadMessage as exc:
@@ -596,11 +601,11 @@ class Worker:
             raise WorkerFatal(f"cannot publish to {topic}: {exc!r}") from exc
 
     async def _dead_letter(
-        self, rec: ConsumerRecord[Any, Any], reason: str, received: float
+        self, rec: ConsumerRecord[Any, Any], reason: str, received: float, stage: str = "worker"
     ) -> None:
         raw = rec.value if isinstance(rec.value, bytes | bytearray) else b""
         dl = DeadLetter.of(
-            bytes(raw), reason, rec.topic, rec.partition, rec.offset, received, stage="worker"
+            bytes(raw), reason, rec.topic, rec.partition, rec.offset, received, stage=stage
         )
         await self._publish(
             topics.DEAD_LETTERS,
