@@ -14,7 +14,7 @@ import pytest
 from schemas import DeadLetter
 from state import period_id
 from tests.real_producers import CODECS, console_produce, kcat_produce
-from tests.workers.test_worker import _cluster, _read_topic, _routed, env, running  # noqa: F401
+from tests.workers.test_worker import _cluster, _read_topic, _routed, running
 from wiring import topics
 from workers.backends.sim import SimBackend
 from workers.worker import Worker, WorkerConfig
@@ -31,7 +31,8 @@ def _lines(iid: str, tag: str, n: int) -> list[tuple[str, bytes]]:
     return out
 
 
-def _worker(iid: str, rig: dict[str, Any]) -> Worker:
+def sim_worker(iid: str, rig: dict[str, Any]) -> Worker:
+    """A worker over the simulated engine (fast) for one instance of ``_cluster``."""
     cluster = _cluster(iid, max_concurrency=8)
     backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=20.0)
     return Worker(
@@ -44,7 +45,8 @@ def _worker(iid: str, rig: dict[str, Any]) -> Worker:
 
 
 async def test_worker_answers_routed_queries_of_every_codec(
-    env: dict[str, Any], kafka_bootstrap: str  # noqa: F811
+    env: dict[str, Any],
+    kafka_bootstrap: str,
 ) -> None:
     iid = "codec-" + uuid.uuid4().hex[:8]
     topic = topics.route(iid)
@@ -55,7 +57,7 @@ async def test_worker_answers_routed_queries_of_every_codec(
             lines = _lines(iid, f"{tool}-{codec}", 4)
             produce(kafka_bootstrap, topic, [(q.encode(), v) for q, v in lines], codec)
             sent.extend(q for q, _ in lines)
-    async with running(_worker(iid, env)):
+    async with running(sim_worker(iid, env)):
         results = {q: await env["client"].result(q, timeout_s=30) for q in sent}
     assert all(r.error is None and r.output_tokens == 4 for r in results.values()), [
         (q, r.error) for q, r in results.items() if r.error
@@ -63,7 +65,7 @@ async def test_worker_answers_routed_queries_of_every_codec(
 
 
 async def test_undecodable_batch_is_dead_lettered_and_the_worker_goes_on(
-    env: dict[str, Any],  # noqa: F811
+    env: dict[str, Any],
     kafka_bootstrap: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -74,7 +76,7 @@ async def test_undecodable_batch_is_dead_lettered_and_the_worker_goes_on(
     for lines, codec in ((before, "none"), (lz4, "lz4"), (after, "none")):
         console_produce(kafka_bootstrap, topic, [(q.encode(), v) for q, v in lines], codec)
     monkeypatch.setattr(aiokafka.codec, "cramjam", None)  # this worker has no lz4 library
-    worker = _worker(iid, env)
+    worker = sim_worker(iid, env)
     async with running(worker):
         for q, _ in before + after:
             assert (await env["client"].result(q, timeout_s=30)).error is None
