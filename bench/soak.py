@@ -42,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
 
-from switchyard import services, topics  # noqa: E402
-from switchyard.demo import ProcessGroup, ensure_predictor  # noqa: E402
-from switchyard.paths import REPO_ROOT  # noqa: E402
+from offline.demo_predictor import ensure_predictor  # noqa: E402
+from switchyard import services  # noqa: E402
+from switchyard.processes import ProcessGroup  # noqa: E402
+from wiring import topics  # noqa: E402
+from wiring.paths import REPO_ROOT  # noqa: E402
 
 TIME_SCALE = 20.0  # the sim engines run this much faster than the H100 profiles
 
@@ -179,7 +181,7 @@ async def soak(
     env = dict(os.environ, SWITCHYARD_KAFKA=bootstrap, SWITCHYARD_REDIS=redis_url,
                SWITCHYARD_NAMESPACE=prefix)  # fmt: skip
     procs = ProcessGroup(home / "logs", env=env)
-    predictor = ensure_predictor(home / "logs")
+    predictor = ensure_predictor()
     app_id = f"soak-router-{prefix}"
     rng = random.Random(args.seed)
     figures: dict[str, Any] = {"loadavg_start": os.getloadavg()}

@@ -47,7 +47,7 @@ from fault_harness import (
 )
 
 from schemas import Query
-from switchyard.settings import Settings
+from wiring.settings import Settings
 
 pytestmark = pytest.mark.faults
 
