@@ -45,7 +45,7 @@ from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
 from offline.demo_predictor import ensure_predictor  # noqa: E402
 from switchyard import services  # noqa: E402
 from switchyard.processes import ProcessGroup  # noqa: E402
-from wiring import topics  # noqa: E402
+from wiring import kafka_admin, topics  # noqa: E402
 from wiring.paths import REPO_ROOT  # noqa: E402
 
 TIME_SCALE = 20.0  # the sim engines run this much faster than the H100 profiles
@@ -98,8 +98,10 @@ class Results:
         )  # fmt: skip
         await consumer.start()
         try:
-            await topics.ensure_topics({"bootstrap_servers": self.bootstrap}, [topics.RESULTS])
-            tps = await topics.partitions({"bootstrap_servers": self.bootstrap}, [topics.RESULTS])
+            await kafka_admin.ensure_topics({"bootstrap_servers": self.bootstrap}, [topics.RESULTS])
+            tps = await kafka_admin.partitions(
+                {"bootstrap_servers": self.bootstrap}, [topics.RESULTS]
+            )
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             while True:
@@ -161,7 +163,7 @@ async def lags(bootstrap: str, instance_ids: list[str], router_group: str) -> di
         out: dict[str, int] = {}
         for name, (group, topic) in groups.items():
             committed = await admin.list_consumer_group_offsets(group)
-            tps = await topics.partitions({"bootstrap_servers": bootstrap}, [topic])
+            tps = await kafka_admin.partitions({"bootstrap_servers": bootstrap}, [topic])
             ends = await consumer.end_offsets(tps) if tps else {}
             out[name] = sum(
                 max(0, end - (committed[tp].offset if tp in committed else 0))
