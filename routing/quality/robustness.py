@@ -197,10 +197,9 @@ def select_robustness(
     budgets being ``fractions`` of the realised cost of the best single model.
     """
     N, m = mean.shape
-    if N < 20:
-        return Selection(
-            RobustSpec(), [{"label": "point", "note": f"only {N} calibration queries"}]
-        )
+    if N < min_queries:
+        note = f"only {N} calibration queries (< {min_queries}): too few to tell candidates apart"
+        return Selection(RobustSpec(), [{"label": "point", "note": note}])
     if not (np.isfinite(c_hat).all() and np.isfinite(cost).all()):
         return Selection(RobustSpec(), [{"label": "point", "note": "no prices: cannot route"}])
     yz = np.nan_to_num(y, nan=0.0)
