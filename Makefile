@@ -21,7 +21,8 @@ install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy --strict schemas/ routing/
+	$(BIN)/mypy --strict schemas/ routing/ wiring/ offline/
+	$(BIN)/lint-imports --no-cache
 
 # Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and stops).
 test: lint
