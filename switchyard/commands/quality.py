@@ -48,7 +48,9 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path = typer.Option(..., "--out", help="Artefact file to write (.npz)"),
         featurizer: str = typer.Option(
-            "hashed", "--featurizer", help="hashed, minilm (optional extra) or auto"
+            "hashed",
+            "--featurizer",
+            help="hashed, static (MiniLM distilled), hybrid (both), minilm (full transformer, slow) or auto",
         ),
         replicates: int = typer.Option(20, "--replicates", min=2, help="Bootstrap replicates B"),
         level: float = typer.Option(
