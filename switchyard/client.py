@@ -27,8 +27,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
 from schemas import Query, Result
-from switchyard import topics
-from switchyard.settings import Settings
+from wiring import kafka_admin, topics
+from wiring.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,13 @@ class SwitchyardClient:
             if self._producer is not None:
                 return
             kw = self.settings.kafka_kwargs(client_id=self.client_id)
-            await topics.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
+            await kafka_admin.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
             consumer = AIOKafkaConsumer(
                 **kw, enable_auto_commit=False, isolation_level="read_committed"
             )
             await consumer.start()
             try:
-                tps = await topics.partitions(kw, [topics.RESULTS])
+                tps = await kafka_admin.partitions(kw, [topics.RESULTS])
                 consumer.assign(tps)
                 if self.from_timestamp_s is not None:
                     found = await consumer.offsets_for_times(

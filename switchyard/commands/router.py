@@ -76,8 +76,8 @@ def register(app: typer.Typer) -> None:
         from streams.policy import PolicyError, load_router
         from streams.rescue import RescueConfig
         from streams.service import RouterConfig
-        from switchyard import topics
-        from switchyard.settings import Settings, SettingsError
+        from wiring import kafka_admin, topics
+        from wiring.settings import Settings, SettingsError
 
         logging.basicConfig(
             level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -97,7 +97,9 @@ def register(app: typer.Typer) -> None:
         names = [topics.QUERIES, topics.RESULTS, topics.DEAD_LETTERS, topics.DECISIONS]
         names += [topics.route(i.id) for i in spec.instances]
         try:
-            asyncio.run(topics.ensure_topics(settings.kafka_kwargs(), names, partitions=partitions))
+            asyncio.run(
+                kafka_admin.ensure_topics(settings.kafka_kwargs(), names, partitions=partitions)
+            )
         except Exception as exc:
             typer.echo(f"error: cannot create topics on Kafka at {settings.kafka}: {exc}", err=True)
             raise typer.Exit(1) from None
