@@ -22,9 +22,9 @@ from schemas import ClusterConfig, Decision, DecisionStatus, ResidentRequest, Re
 from state import StateStore, period_id
 from streams.app import BatchSink
 from streams.service import Inbound, RouterConfig, RouterService
-from switchyard import topics
 from tests.routing.test_long_context import FakeQuality, cluster
 from tests.streams.test_service import read_topic
+from wiring import kafka_admin, topics
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +71,7 @@ async def test_every_policy_in_the_service_answers_long_context_once(
     await producer.start()
     try:
         routes = [topics.route(i.id) for i in cfg.instances]
-        await topics.ensure_topics(
+        await kafka_admin.ensure_topics(
             {"bootstrap_servers": kafka_bootstrap},
             [topics.DECISIONS, topics.RESULTS, *routes],
             partitions=1,
