@@ -210,7 +210,9 @@ class ResultCollector:
         from switchyard import topics
 
         kw = self.settings.kafka_kwargs(client_id=self.client_id)
-        await topics.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
+        await topics.ensure_topics(
+            kw, [topics.QUERIES, topics.RESULTS], **self.settings.topic_kwargs()
+        )
         tps = await topics.partitions(kw, [topics.RESULTS])
         consumer = AIOKafkaConsumer(**kw, enable_auto_commit=False)
         await consumer.start()

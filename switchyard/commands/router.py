@@ -97,7 +97,14 @@ def register(app: typer.Typer) -> None:
         names = [topics.QUERIES, topics.RESULTS, topics.DEAD_LETTERS, topics.DECISIONS]
         names += [topics.route(i.id) for i in spec.instances]
         try:
-            asyncio.run(topics.ensure_topics(settings.kafka_kwargs(), names, partitions=partitions))
+            asyncio.run(
+                topics.ensure_topics(
+                    settings.kafka_kwargs(),
+                    names,
+                    partitions=partitions,
+                    **settings.topic_kwargs(),
+                )
+            )
         except Exception as exc:
             typer.echo(f"error: cannot create topics on Kafka at {settings.kafka}: {exc}", err=True)
             raise typer.Exit(1) from None
