@@ -31,7 +31,8 @@ test: lint
 # small machine; .ci/run runs both.
 test-cluster: install
 	SWITCHYARD_HOME=$(CURDIR)/.switchyard/test-cluster $(BIN)/python -m switchyard.testrun --clusters -- \
-		$(BIN)/pytest -q -ra --durations=15 --timeout=300 tests/clusters tests/state $(PYTEST_ARGS)
+		$(BIN)/pytest -q -ra --durations=15 --timeout=600 tests/clusters tests/state \
+		tests/integration/test_end_to_end.py $(PYTEST_ARGS)
 
 # The pure suite only (no Kafka, no Redis).
 test-unit: install
