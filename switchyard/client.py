@@ -27,8 +27,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
 from schemas import Query, Result
-from switchyard import topics
-from switchyard.settings import Settings
+from wiring import kafka_admin, topics
+from wiring.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class SwitchyardClient:
             if self._producer is not None:
                 return
             kw = self.settings.kafka_kwargs(client_id=self.client_id)
-            await topics.ensure_topics(
+            await kafka_admin.ensure_topics(
                 kw, [topics.QUERIES, topics.RESULTS], **self.settings.topic_kwargs()
             )
             consumer = AIOKafkaConsumer(
@@ -91,7 +91,7 @@ class SwitchyardClient:
             )
             await consumer.start()
             try:
-                tps = await topics.partitions(kw, [topics.RESULTS])
+                tps = await kafka_admin.partitions(kw, [topics.RESULTS])
                 consumer.assign(tps)
                 if self.from_timestamp_s is not None:
                     found = await consumer.offsets_for_times(

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from switchyard import services
-from switchyard.paths import state_dir
 from switchyard.services import KAFKA_DIR, ServiceError, ServiceRecord
+from wiring.paths import state_dir
 
 KAFKA_NODE = "kafka-"
 REDIS_NODE = "redis-node-"

@@ -144,9 +144,9 @@ async def run_batch(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from state import StateStore
-    from switchyard import topics
     from switchyard.commands.replay import ResultCollector
-    from switchyard.settings import Settings
+    from wiring import topics
+    from wiring.settings import Settings
 
     t_start = time.monotonic()
     settings = Settings.from_env()

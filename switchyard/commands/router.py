@@ -76,8 +76,8 @@ def register(app: typer.Typer) -> None:
         from streams.policy import PolicyError, load_router
         from streams.rescue import RescueConfig
         from streams.service import RouterConfig
-        from switchyard import topics
-        from switchyard.settings import Settings, SettingsError
+        from wiring import kafka_admin, topics
+        from wiring.settings import Settings, SettingsError
 
         logging.basicConfig(
             level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -98,7 +98,7 @@ def register(app: typer.Typer) -> None:
         names += [topics.route(i.id) for i in spec.instances]
         try:
             asyncio.run(
-                topics.ensure_topics(
+                kafka_admin.ensure_topics(
                     settings.kafka_kwargs(),
                     names,
                     partitions=partitions,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import typer
 
-from switchyard.paths import REPO_ROOT, shared_data, vendored_data
+from wiring.paths import REPO_ROOT, shared_data, vendored_data
 
 CLUSTERS_DIR = REPO_ROOT / "configs" / "clusters"
 RESULTS_DIR = REPO_ROOT / "docs" / "results"

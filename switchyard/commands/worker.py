@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
         from schemas import ClusterConfig
-        from switchyard.settings import Settings, SettingsError
+        from wiring.settings import Settings, SettingsError
 
         try:
             cfg = ClusterConfig.from_file(cluster)

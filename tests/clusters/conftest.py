@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from switchyard import clusters
-from switchyard.paths import state_dir
 from switchyard.services import ServiceRecord
+from wiring.paths import state_dir
 
 HERE = Path(__file__).parent
 

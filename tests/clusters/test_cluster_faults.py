@@ -44,7 +44,7 @@ from fault_harness import (  # noqa: E402
 
 from switchyard import clusters, services  # noqa: E402
 from switchyard.services import ServiceRecord  # noqa: E402
-from switchyard.settings import Settings  # noqa: E402
+from wiring.settings import Settings  # noqa: E402
 
 pytestmark = pytest.mark.faults
 

@@ -8,9 +8,10 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, ConfigResource, ConfigResourceType, NewTopic
 
-from switchyard import clusters, services, topics
-from switchyard.settings import Settings, SettingsError
+from switchyard import clusters, services
 from tests.clusters.conftest import Clusters
+from wiring import kafka_admin
+from wiring.settings import Settings, SettingsError
 
 
 def test_every_node_recorded_running_and_listed(local_kafka: Clusters) -> None:
@@ -26,7 +27,7 @@ def test_every_node_recorded_running_and_listed(local_kafka: Clusters) -> None:
 async def test_topics_get_three_replicas_and_min_isr_two(local_kafka: Clusters) -> None:
     settings = Settings(kafka=local_kafka.bootstrap, kafka_replication_factor=3)
     name = f"t-rf-{uuid.uuid4().hex[:8]}"
-    created = await topics.ensure_topics(
+    created = await kafka_admin.ensure_topics(
         settings.kafka_kwargs(), [name], partitions=3, **settings.topic_kwargs()
     )
     assert created == [name]
@@ -44,7 +45,8 @@ async def test_topics_get_three_replicas_and_min_isr_two(local_kafka: Clusters) 
         await admin.close()
     # a second call finds them and creates nothing
     assert (
-        await topics.ensure_topics(settings.kafka_kwargs(), [name], **settings.topic_kwargs()) == []
+        await kafka_admin.ensure_topics(settings.kafka_kwargs(), [name], **settings.topic_kwargs())
+        == []
     )
     producer = AIOKafkaProducer(
         bootstrap_servers=local_kafka.bootstrap, acks="all", enable_idempotence=True
@@ -59,8 +61,10 @@ async def test_topics_get_three_replicas_and_min_isr_two(local_kafka: Clusters) 
 
 async def test_more_replicas_than_brokers_is_an_error_naming_both(local_kafka: Clusters) -> None:
     settings = Settings(kafka=local_kafka.bootstrap, kafka_replication_factor=4)
-    with pytest.raises(topics.TopicSettingsError, match=r"needs at least 4 Kafka brokers.*lists 3"):
-        await topics.ensure_topics(
+    with pytest.raises(
+        kafka_admin.TopicSettingsError, match=r"needs at least 4 Kafka brokers.*lists 3"
+    ):
+        await kafka_admin.ensure_topics(
             settings.kafka_kwargs(), [f"t-{uuid.uuid4().hex[:8]}"], **settings.topic_kwargs()
         )
 
@@ -74,8 +78,8 @@ async def test_existing_topic_with_one_replica_is_named(local_kafka: Clusters) -
     finally:
         await admin.close()
     settings = Settings(kafka=local_kafka.bootstrap, kafka_replication_factor=3)
-    with pytest.raises(topics.TopicSettingsError, match=rf"{name} \(1\)"):
-        await topics.ensure_topics(settings.kafka_kwargs(), [name], **settings.topic_kwargs())
+    with pytest.raises(kafka_admin.TopicSettingsError, match=rf"{name} \(1\)"):
+        await kafka_admin.ensure_topics(settings.kafka_kwargs(), [name], **settings.topic_kwargs())
 
 
 def test_min_isr_above_replication_is_refused() -> None:

@@ -111,7 +111,7 @@ async def test_batch_survives_a_kill_and_stays_in_budget(
 ) -> None:
     from state import StateStore
     from switchyard import services
-    from switchyard.demo import ProcessGroup
+    from switchyard.processes import ProcessGroup
 
     rid = "b" + uuid.uuid4().hex[:6]
     port = services.free_port()
