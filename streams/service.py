@@ -619,13 +619,13 @@ class RouterService:
             # while blind a short budget is the blind allowance's: wait for Redis like for slots
             paced = "budget" in reason.lower() and not blind
             limit_s = self.config.budget_hold_s if paced else self.config.max_hold_s
-            if now - p.first_seen_s < limit_s:
+            final = status == DecisionStatus.REJECTED  # e.g. longer than every model's context
+            if not final and now - p.first_seen_s < limit_s:
                 self._hold_quietly(p, outs, now, reason, d, pid)
                 still_held.append(p)
                 continue
-            self._give_up(
-                p, d, status, f"gave up after {limit_s:g} s: {reason}", now, pid, outs, routed_marks
-            )
+            why = reason if final else f"gave up after {limit_s:g} s: {reason}"
+            self._give_up(p, d, status, why, now, pid, outs, routed_marks)
             outcome.final_errors += 1
         if intents and not blind:
             # before anything is produced: a successor re-sends these rather than re-deciding

@@ -51,15 +51,18 @@ def body(qid: str) -> bytes:
 
 
 async def read_topic(
-    bootstrap: str, topic: str, since_ms: int, until: Callable[[list[tuple[bytes, bytes]]], bool]
+    bootstrap: str,
+    topic: str | list[str],
+    since_ms: int,
+    until: Callable[[list[tuple[bytes, bytes]]], bool],
 ) -> list[tuple[bytes, bytes]]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        described = await admin.describe_topics([topic])
+        described = await admin.describe_topics([topic] if isinstance(topic, str) else topic)
     finally:
         await admin.close()
-    tps = [TopicPartition(topic, p["partition"]) for t in described for p in t["partitions"]]
+    tps = [TopicPartition(t["topic"], p["partition"]) for t in described for p in t["partitions"]]
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     out: list[tuple[bytes, bytes]] = []
