@@ -898,20 +898,25 @@ def _query_key_in(it: Inbound, keys: set[bytes]) -> bool:
     return isinstance(key, bytes) and key in keys
 
 
+# Kafka errors about one record, which no retry fixes (every other Kafka error, a timeout
+# or an unknown producer id after a broker restart included, is the broker being away)
+_RECORD_ERRORS = frozenset(
+    {"MessageSizeTooLargeError", "RecordTooLargeError", "CorruptRecordException",
+     "InvalidTopicError", "RecordListTooLargeError"}
+)  # fmt: skip
+
+
 def _transient(exc: BaseException) -> bool:
     """Errors that go away by themselves (Redis or Kafka unreachable, timeouts); not an
-    error of this window's own (a Redis script refusing its input, a record Kafka will
-    never take: aiokafka marks those ``retriable = False``)."""
+    error of this window's own, such as a record Kafka will never take."""
     if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError, ConnectionError)):
         return True
     name = type(exc).__name__
     module = type(exc).__module__
-    if name == "StateUnavailable":
+    if name == "StateUnavailable" or module.startswith("redis"):
         return True
-    if module.startswith("redis"):
-        return name not in ("ResponseError", "DataError", "NoScriptError")
     if module.startswith(("aiokafka", "kafka")):
-        return bool(getattr(exc, "retriable", True)) or name in ("KafkaConnectionError",)
+        return name not in _RECORD_ERRORS
     return False
 
 
