@@ -25,9 +25,9 @@ single model's cost, and is scored on the *realised* scores. The per-model offse
 cross-fitted (fitted on one half of the calibration queries, scored on the other, and
 vice versa), so the selection never scores offsets on the queries that set them.
 
-A candidate is admissible only if its mean gain over the budgets is positive in at
-least ``1 − alpha`` of paired bootstrap resamples of the calibration queries and at no
-budget does it lose in ``1 − alpha`` of them (no significant loss anywhere); the admissible candidate with the largest mean
+A candidate is admissible only if its mean gain over the budgets is at least
+``min_gain`` and positive in at least ``1 − alpha / (number of candidates)`` of paired
+bootstrap resamples of the calibration queries (Bonferroni), and at no budget does it lose in more than half of them; the admissible candidate with the largest mean
 gain wins, and with none admissible the point estimate is kept. The point estimate is
 thus the default, and robustness must earn its place on data the fit never saw.
 ``recalibrate`` reruns the selection on labelled queries of the traffic actually served
@@ -52,6 +52,11 @@ KINDS = ("point", "std", "conformal", "per-model")
 STD_KAPPAS = (0.5, 1.0, 2.0, 4.0)
 BIAS_LEVELS = (0.5, 0.9)
 SELECTION_FRACTIONS = tuple(float(f) for f in np.linspace(0.05, 1.0, 20))
+MIN_MEAN_GAIN = 0.005
+"""A candidate must gain at least 0.5% (relative, averaged over the budgets) on the
+calibration queries: smaller gains are within what a held-out set of ~1,000 queries
+shows as noise, and a robust value that moves decisions for less risks losing there
+(dc9, hybrid features, kNN: +0.2% on calibration, −0.2% AUC on held-out)."""
 MIN_CALIBRATION_QUERIES = 200
 """Below this, differences between candidates are within the noise of a few queries
 (nq6's 80 calibration queries admitted ``std x 2``, which then lost 0.4% at one budget on
@@ -186,9 +191,10 @@ def select_robustness(
     std_kappas: Sequence[float] = STD_KAPPAS,
     levels: Sequence[float] = BIAS_LEVELS,
     alpha: float = 0.05,
-    n_boot: int = 400,
+    n_boot: int = 1000,
     seed: int = 0,
     min_queries: int = MIN_CALIBRATION_QUERIES,
+    min_gain: float = MIN_MEAN_GAIN,
 ) -> Selection:
     """Choose the robust value on held-out calibration queries (``[N, m]`` arrays).
 
@@ -232,6 +238,10 @@ def select_robustness(
                 (RobustSpec("per-model", kappa=k, level=lvl, offset_per_model=tuple(off)), got)
             )
 
+    # Bonferroni: the best of many candidates looks good by chance alone (dc9, hybrid
+    # features, kNN: a per-model bound at p = 0.047 gained 1.2% on calibration and lost
+    # 0.2% AUC on held-out queries)
+    alpha_each = alpha / len(cands)
     report: list[dict[str, Any]] = [{"label": "point", "mean_gain": 0.0, "admissible": True}]
     chosen, chosen_gain = RobustSpec(), 0.0
     base_q = base.mean(axis=1)  # [F] realised quality per budget
@@ -242,11 +252,12 @@ def select_robustness(
         boot_f = d[:, boot].mean(axis=2)  # [F, n_boot]
         boot_gain = boot_f.mean(axis=0)
         p_not_better = float((boot_gain <= 0).mean())
-        # the worst budget's chance of a real loss: share of resamples where it loses
+        # the worst budget's share of resamples in which the candidate loses there
         p_worse = float((boot_f < 0).mean(axis=1).max())
         worst = float(gain_f.min())
         mean_gain = float(gain_f.mean())
-        ok = p_not_better < alpha and p_worse < 1.0 - alpha and mean_gain > 0
+        # median-resample gain >= 0 at every budget, and a real effect on average
+        ok = p_not_better < alpha_each and p_worse <= 0.5 and mean_gain >= min_gain
         report.append(
             {
                 "label": spec.label(),
