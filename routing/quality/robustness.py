@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routing.quality.evaluate import lambda_for_budget, route_per_query
 from routing.types import FloatArray
 
 KINDS = ("point", "std", "conformal", "per-model")
@@ -167,11 +166,49 @@ class Selection:
         }
 
 
-def _picks(a: FloatArray, c_hat: FloatArray, budgets_usd: Sequence[float]) -> npt.NDArray[np.int64]:
-    """``[F, N]`` model picked per query at each budget (per-query routing, λ by bisection)."""
-    return np.stack(
-        [route_per_query(a, c_hat, lambda_for_budget(a, c_hat, b)) for b in budgets_usd]
+def _route_many(a: FloatArray, c_hat: FloatArray, lams: FloatArray) -> npt.NDArray[np.int64]:
+    """``route_per_query`` for several λ at once: ``[F, N]`` picks (ties -> cheaper)."""
+    u = a[None] - lams[:, None, None] * c_hat[None]
+    tied = u >= u.max(axis=2, keepdims=True) - 1e-12
+    out: npt.NDArray[np.int64] = np.where(tied, c_hat[None], np.inf).argmin(axis=2)
+    return out
+
+
+def _picks(
+    a: FloatArray, c_hat: FloatArray, budgets_usd: Sequence[float], iters: int = 40
+) -> npt.NDArray[np.int64]:
+    """``[F, N]`` model picked per query at each budget: per-query routing with the
+    smallest λ whose predicted spend fits (``evaluate.lambda_for_budget``), bisected for
+    all budgets at once (one ``[F, N, m]`` evaluation a step instead of F loops)."""
+    rows = np.arange(a.shape[0])
+    # below the cheapest routing no λ fits: route as cheaply as possible (what the
+    # scalar bisection ends at after 200 doublings)
+    cheapest = float(c_hat.min(axis=1).sum()) * (1.0 + 1e-9)
+    b = np.maximum(np.asarray(budgets_usd, dtype=np.float64), cheapest)
+
+    def spend(lams: FloatArray) -> FloatArray:
+        out: FloatArray = c_hat[rows[None, :], _route_many(a, c_hat, lams)].sum(axis=1)
+        return out
+
+    zero = spend(np.zeros(len(b))) <= b
+    positive = c_hat[c_hat > 0]
+    hi = np.full(
+        len(b),
+        (float(np.nanmax(a) - np.nanmin(a)) + 1e-9)
+        / max(float(positive.min()) if positive.size else 1.0, 1e-18),
     )
+    for _ in range(200):
+        over = spend(hi) > b
+        if not over.any():
+            break
+        hi = np.where(over, hi * 2.0, hi)
+    lo = np.zeros(len(b))
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        fits = spend(mid) <= b
+        hi = np.where(fits, mid, hi)
+        lo = np.where(fits, lo, mid)
+    return _route_many(a, c_hat, np.where(zero, 0.0, hi))
 
 
 def _realised(picks: npt.NDArray[np.int64], y: FloatArray) -> FloatArray:
