@@ -25,6 +25,16 @@ segment's last step). Per-step features then grow arithmetically, so Eq. 9 sums 
 form over a segment (:meth:`Segment.total_ms`) and the engine prices its steps as one
 vector.
 
+Long context: one request never holds more than the KV cache (``kv_blocks`` x
+``block_size_tokens`` = :func:`kv_capacity_tokens`): a row's prompt is at most that less
+one token, and its output is cut where prompt + output reaches it (vLLM stops a request at
+its context limit with ``finish_reason: length``; it refuses to start with a
+``--max-model-len`` its cache cannot hold, and rejects a longer prompt). The engine
+rejects such prompts on submit and SFS prices them as never servable (a :class:`Workload`
+refuses them with a :class:`SchedulingError`; SFS clamps a snapshot's residents that
+disagree with the configuration). Then a lone request always
+fits, and requests that fit alone but not together wait or are preempted as in vLLM.
+
 Simplifications (documented, shared by SFS and the engine so they agree exactly): rows are
 kept in arrival order and running order is arrival order (vLLM re-appends a re-admitted
 preempted request at the end); a preempted request is re-queued as a fresh request whose
@@ -51,6 +61,11 @@ POLICIES = ("vllm-v1", "sarathi", "vllm-v0")
 
 class SchedulingError(ValueError):
     """The workload cannot be scheduled (e.g. a request needs more KV blocks than exist)."""
+
+
+def kv_capacity_tokens(sched: SchedulerConfig) -> int:
+    """Tokens the whole KV cache holds: the most one request (prompt + output) can use."""
+    return sched.kv_blocks * sched.block_size_tokens
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,19 @@ class Applied:
     finished: IntArray
 
 
+def _servable_prompts(prompt: IntArray, cap_tokens: int) -> IntArray:
+    """Prompts as rows (at least 1 token); one the KV cache cannot hold is an error."""
+    p = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
+    bad = np.flatnonzero(p + 1 > cap_tokens)
+    if bad.size:
+        i = int(bad[0])
+        raise SchedulingError(
+            f"request {i}: a prompt of {int(p[i])} tokens leaves no room for an output token "
+            f"in a KV cache of {cap_tokens} tokens; refuse it before scheduling"
+        )
+    return p
+
+
 _BIG = np.iinfo(np.int64).max
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -142,7 +170,8 @@ class Workload:
         output: IntArray,
         sched: SchedulerConfig,
     ) -> None:
-        self.prompt = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
+        cap = kv_capacity_tokens(sched)
+        self.prompt = _servable_prompts(prompt, cap)
         self.prefilled = np.minimum(np.asarray(prefilled, dtype=np.int64), self.prompt)
         dec = np.asarray(decoded, dtype=np.int64)
         # a finished prefill has produced its first token
@@ -152,6 +181,8 @@ class Workload:
             np.asarray(output, dtype=np.int64),
             np.where(self.prefilled == self.prompt, self.decoded + 1, 1),
         )
+        self.output = np.maximum(np.minimum(self.output, cap - self.prompt), 1)
+        self.decoded = np.minimum(self.decoded, self.output - 1)
         self.sched = sched
         if sched.policy not in POLICIES:
             raise SchedulingError(f"unknown scheduling policy {sched.policy!r}; known: {POLICIES}")
@@ -176,12 +207,15 @@ class Workload:
         return w
 
     def append(self, prompt: IntArray, output: IntArray) -> None:
-        """Add new waiting requests at the end of the FCFS queue."""
-        p = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
+        """Add new waiting requests at the end of the FCFS queue (outputs cut at the KV
+        cache: see the module docstring)."""
+        cap = kv_capacity_tokens(self.sched)
+        p = _servable_prompts(prompt, cap)
+        out = np.clip(np.asarray(output, np.int64), 1, np.maximum(cap - p, 1))
         self.prompt = np.concatenate([self.prompt, p])
         self.prefilled = np.concatenate([self.prefilled, np.zeros_like(p)])
         self.decoded = np.concatenate([self.decoded, np.zeros_like(p)])
-        self.output = np.concatenate([self.output, np.maximum(np.asarray(output, np.int64), 1)])
+        self.output = np.concatenate([self.output, out])
 
     def remove(self, rows: IntArray) -> None:
         keep = np.ones(self.n, dtype=bool)

@@ -19,6 +19,12 @@ Eq. 9 cost telescopes: ``sum q*(q/2+ctx) = (P^2 - K^2)/2`` however the prompt is
 So one residents-only simulation serves every candidate and each candidate costs a few
 vector operations. (It assumes the candidate triggers no preemption; :func:`estimate_ttft_ms`
 is the exact reference.)
+
+Long context: a candidate whose prompt the instance's KV cache can never hold (prompt +
+one output token > ``kv_blocks`` x ``block_size_tokens``) gets :data:`UNSERVABLE_MS`, a
+finite "never", from both functions and takes no part in the simulation (the engine would
+refuse it). A candidate that fits alone but not beside the residents waits, or is preempted
+and re-admitted, exactly as the scheduling model says; every answer is finite.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from routing.scheduling import Workload
+from routing.scheduling import Workload, kv_capacity_tokens
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState
 from schemas import SchedulerConfig
@@ -35,6 +41,14 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 DEFAULT_OUTPUT_TOKENS = 128
+
+UNSERVABLE_MS = 1e9  # finite "never": a prompt this instance's KV cache can never hold
+
+
+def servable(prompt_tokens: IntArray, sched: SchedulerConfig) -> npt.NDArray[np.bool_]:
+    """Prompts the KV cache can hold with at least their first output token."""
+    out: npt.NDArray[np.bool_] = np.maximum(prompt_tokens, 1) + 1 <= kv_capacity_tokens(sched)
+    return out
 
 
 def _check_state(state: InstanceState) -> None:
@@ -76,10 +90,15 @@ def _as_tokens(name: str, values: IntArray | list[int], min_value: int) -> IntAr
 
 
 def workload_from_state(state: InstanceState, sched: SchedulerConfig) -> Workload:
-    """The scheduler's view of a snapshot (validated; errors name the bad row)."""
+    """The scheduler's view of a snapshot (validated; errors name the bad row).
+
+    A resident longer than this configuration's KV cache can hold (a snapshot from an
+    engine configured otherwise) is taken as cut to fit, so that SFS still answers.
+    """
     _check_state(state)
+    cap = kv_capacity_tokens(sched)
     return Workload(
-        state.prompt_tokens,
+        np.minimum(state.prompt_tokens, cap - 1),
         state.prefilled_tokens,
         state.decoded_tokens,
         state.predicted_output_tokens,
@@ -121,24 +140,27 @@ def estimate_ttft_ms(
     )
     if outs.size != k:
         raise ValueError(f"output_tokens has {outs.size} rows, prompt_tokens has {k}")
+    ok = servable(prompts, sched)
+    ttft = np.where(ok, np.nan, UNSERVABLE_MS)
+    new_rows = np.flatnonzero(ok)  # candidate of each appended row
     w = workload_from_state(state, sched)
     n0 = w.n
-    w.append(prompts, outs)
-    ids = np.arange(n0 + k)
-    ttft = np.full(k, np.nan)
+    w.append(prompts[ok], outs[ok])
+    ids = np.arange(n0 + new_rows.size)
     t = float(start_delay_ms)
-    pending = k
-    while pending:
+    while np.isnan(ttft).any():
         seg = w.plan()
-        if seg is None:  # pragma: no cover - new rows are always schedulable
+        if seg is None:  # pragma: no cover - a servable waiting row is always schedulable
             raise RuntimeError("SFS: nothing schedulable while new queries are still waiting")
         t += seg.total_ms(model)
         done = w.apply(seg)
         if done.first_token.size:
             got = ids[done.first_token]
-            got = got[got >= n0] - n0
+            got = new_rows[got[got >= n0] - n0]
+            # a candidate preempted after its first token gets a "first token" again when
+            # it is re-admitted: only the first one counts
+            got = got[np.isnan(ttft[got])]
             ttft[got] = t
-            pending -= int(got.size)
         if done.finished.size:
             w.remove(done.finished)
             ids = np.delete(ids, done.finished)
@@ -172,12 +194,23 @@ def standalone_ttft_ms(
                 for p in prompts
             ]
         )
+    ok = servable(prompts, sched)
+    if not ok.all():
+        out = np.full(prompts.size, UNSERVABLE_MS)
+        if ok.any():
+            out[ok] = standalone_ttft_ms(
+                state, prompts[ok], model, sched, start_delay_ms=start_delay_ms
+            )
+        return out
     P = np.maximum(prompts, 1)
     hit = np.minimum(sched.shared_prefix_tokens, P - 1) if sched.shared_prefix_tokens else 0 * P
     need = P - hit
     budget = sched.chunk_size_tokens if sched.policy == "sarathi" else sched.max_num_batched_tokens
     bs = sched.block_size_tokens
     first_blocks = -(-(hit + np.minimum(need, budget)) // bs)
+    # a prompt completes its prefill only where the cache has room for all of it: admitted
+    # earlier, vLLM preempts it (the latest request) when its later chunks find no blocks
+    room_blocks = -(-(P + 1) // bs)
     own_ms = (
         model.c1_ms_per_token * need
         + model.c3_ms_per_attn_unit
@@ -198,7 +231,7 @@ def standalone_ttft_ms(
     free: list[float] = []  # KV blocks free for a new request; -1: cannot admit at all
     t = float(start_delay_ms)
     need_max = int(need.max())
-    min_blocks = int(first_blocks.min())
+    min_blocks = int(room_blocks.min())
     started = False
     got = 0
     while True:
@@ -247,7 +280,7 @@ def standalone_ttft_ms(
     fr = np.asarray(free)
     C = np.concatenate([[0.0], np.cumsum(kk * bb)])
     # first segment where each candidate can be admitted
-    ok = fr[None, :] >= first_blocks[:, None]
+    ok = fr[None, :] >= room_blocks[:, None]
     # Candidates whose first chunk finds no room in the residents-only timeline (the scan
     # stopped once the smallest could start): simulate each exactly. Never an exception:
     # a router must get an answer for every pair, and "never" is a valid one.
@@ -270,9 +303,6 @@ def standalone_ttft_ms(
             state, int(P[i]), int(first_blocks[i]), model, sched, start_delay_ms
         )
     return out
-
-
-UNSERVABLE_MS = 1e9  # finite "never": a prompt this instance's KV cache can never hold
 
 
 def _exact_or_unservable(

@@ -26,7 +26,7 @@ import numpy as np
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, InstanceView
 from schemas import ClusterConfig, ModelSpec
-from sim.engine import SimEngine
+from sim.engine import RequestRejected, SimEngine
 from sim.timing import LinearTiming, TableTiming, TimingSource
 
 DEFAULT_CLOUD_STEP = StepTimeModel(
@@ -86,6 +86,7 @@ class Completion:
     submit_s: float
     first_token_s: float
     finish_s: float
+    error: str | None = None  # the engine refused it (no first token: times are nan)
 
     @property
     def ttft_ms(self) -> float:
@@ -179,6 +180,7 @@ class SimCluster:
                     sub_seed,
                     instance_id=inst.id,
                     model=spec.name,
+                    max_model_len=spec.max_model_len,
                 )
             else:
                 step = step_model_of(spec) or DEFAULT_CLOUD_STEP
@@ -198,6 +200,7 @@ class SimCluster:
         self._first: dict[str, float] = {}
         self.completions: list[Completion] = []
         self._cloud_pending: list[tuple[float, int, Completion]] = []
+        self._refused: list[Completion] = []  # refused by an engine, reported on the next advance
         self._seq = 0
 
     # ---------------------------------------------------------------- time
@@ -215,6 +218,8 @@ class SimCluster:
                     done.append(self._complete(ev.request_id, iid, ev.t_s))
         while self._cloud_pending and self._cloud_pending[0][0] <= self.now:
             done.append(heapq.heappop(self._cloud_pending)[2])
+        done.extend(self._refused)
+        self._refused.clear()
         self.completions.extend(done)
         return done
 
@@ -229,6 +234,8 @@ class SimCluster:
             nxt = [t for t in (e.next_event_s() for e in self.engines.values()) if t is not None]
             if self._cloud_pending:
                 nxt.append(self._cloud_pending[0][0])
+            if self._refused:
+                nxt.append(self.now)
             if not nxt:
                 return done
             done.extend(self.advance_to(max(min(nxt), self.now)))
@@ -255,15 +262,22 @@ class SimCluster:
         self._where[request_id] = instance_id
         rec.append(self.now)
         if instance_id in self.engines:
+            try:
+                self.engines[instance_id].submit(
+                    request_id,
+                    self.now,
+                    int(prompt_tokens),
+                    int(output_tokens),
+                    predicted_output_tokens,
+                )
+            except RequestRejected as exc:
+                nan = float("nan")
+                self._refused.append(
+                    Completion(request_id, instance_id, arrival_s, self.now, nan, nan, str(exc))
+                )
+                return
             self._arrival[request_id] = arrival_s
             self._submit[request_id] = self.now
-            self.engines[instance_id].submit(
-                request_id,
-                self.now,
-                int(prompt_tokens),
-                int(output_tokens),
-                predicted_output_tokens,
-            )
         else:
             c = self.clouds[instance_id].serve(
                 request_id, arrival_s, self.now, int(prompt_tokens), int(output_tokens)

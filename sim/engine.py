@@ -15,6 +15,12 @@ Usage (a cluster simulator or an HTTP front end drives it)::
     events = eng.advance_to(t)      # first tokens / completions with time <= t
     state = eng.snapshot()          # InstanceState for SFS (predicted lengths)
 
+Long context, as vLLM: a request's tokens (prompt + output) never exceed the engine's
+context, ``max_model_len`` if given and never more than the KV cache holds. A prompt that
+leaves no room for one output token is refused on submit (:class:`RequestRejected`, vLLM's
+HTTP 400); a longer output is cut at the limit (``finish_reason: length``). Requests that
+fit alone but not together wait, or are preempted (``routing.scheduling``).
+
 Time semantics: ``advance_to(t)`` runs every step that *starts* before ``t``. A step in
 flight at ``t`` has already been applied to the state (``snapshot()`` shows the state
 after it, and ``busy_until_s()`` says when it ends), but its events are reported only once
@@ -31,13 +37,17 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from routing.scheduling import Segment, Workload
+from routing.scheduling import Segment, Workload, kv_capacity_tokens
 from routing.types import InstanceState
 from schemas import InstanceSnapshot, ResidentRequest, SchedulerConfig
 from sim.timing import TimingSource
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+
+class RequestRejected(ValueError):
+    """The engine refuses a request it can never hold (the message names both sizes)."""
 
 
 @dataclass(frozen=True)
@@ -100,9 +110,12 @@ class SimEngine:
         model: str = "sim",
         record_steps: bool = False,
         start_s: float = 0.0,
+        max_model_len: int | None = None,
     ) -> None:
         self.timing = timing
         self.sched = sched
+        kv = kv_capacity_tokens(sched)
+        self.context_tokens = kv if max_model_len is None else min(max_model_len, kv)
         self.instance_id = instance_id
         self.model = model
         self._rng = np.random.default_rng(seed)
@@ -120,6 +133,7 @@ class SimEngine:
         self.finished: list[RequestRecord] = []
         self.steps_run = 0
         self.segments_run = 0
+        self.preempting_steps = 0  # steps that preempted a request (KV cache full)
         self._plan: tuple[Segment, FloatArray, FloatArray] | None = None
         self._record_steps = record_steps
         self._log: list[tuple[FloatArray, FloatArray, FloatArray, FloatArray]] = []
@@ -151,6 +165,12 @@ class SimEngine:
             raise ValueError(
                 f"submit {request_id!r}: predicted_output_tokens must be >= 1, got {pred}"
             )
+        if max(prompt_tokens, 1) + 1 > self.context_tokens:
+            raise RequestRejected(
+                f"request {request_id!r}: prompt of {prompt_tokens} tokens leaves no room for "
+                f"an output token in this engine's context of {self.context_tokens} tokens"
+            )
+        output_tokens = min(output_tokens, self.context_tokens - max(prompt_tokens, 1))
         self.advance_to(arrival_s, collect=False)
         self._plan = None  # the next step will see this request
         if self._w.n == 0:
@@ -214,6 +234,7 @@ class SimEngine:
                 n, d, a = seg.step_features(m)
                 self._log.append((n, d, a, np.asarray(dur_ms[:m], dtype=np.float64)))
             done = w.apply(seg, m)
+            self.preempting_steps += int(seg.preempted)
             self.steps_run += m
             self.segments_run += 1
             self._clock = float(ends[m - 1])

@@ -263,6 +263,10 @@ def evaluate(
             if i is None:
                 raise EvaluationError(f"completion for unknown request {c.request_id!r}")
             completed[i] += 1
+            if c.error:  # the engine refused it: not served
+                status[i] = REJECTED
+                flags["engine_rejected"] = flags.get("engine_rejected", 0) + 1
+                continue
             ttft[i] = c.ttft_ms
 
     def give_up(k: int) -> None:

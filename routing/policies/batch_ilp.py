@@ -31,6 +31,7 @@ from routing.policies.common import (
     Window,
     budget_groups,
     decisions,
+    mark_unfit,
     overspend,
     predict_ttft_in_order,
     prepare,
@@ -111,19 +112,19 @@ class BatchIlpRouter:
             None if self.deadline_ms is None else time.perf_counter() + self.deadline_ms / 1e3
         )
         a = win.utility(self.robust, self.ctx.lam_per_usd)
-        feasible = np.broadcast_to(
-            (win.usable & (win.capacity > 0))[None, :], (win.n, win.k)
-        ).copy()
+        feasible = (win.usable & (win.capacity > 0))[None, :] & win.fits
         group, limits = budget_groups(win.queries, budget)
         out = Outcome.empty(win.n, self.method)
         flagged = np.zeros(win.n, dtype=np.bool_)
-        standalone = np.zeros((win.n, win.k))
+        # inf where a pair is not a candidate at all, so no fallback rule ever picks it
+        standalone = np.where(feasible, 0.0, np.inf)
         # the SLO the TTFT *quantile* must meet: m·L̂ <= τ  <=>  L̂ <= τ/m
         slo_check_ms = win.slo_ms / self.ttft_margin
         if self.use_sfs:
-            for k in np.flatnonzero(feasible[0] if win.n else []).tolist():
-                standalone[:, k] = self.ctx.ttft_model.standalone_ms(
-                    win.views[k], win.prompt_tokens, win.output_tokens[:, k]
+            for k in np.flatnonzero(feasible.any(axis=0)).tolist():
+                rows = np.flatnonzero(feasible[:, k])
+                standalone[rows, k] = self.ctx.ttft_model.standalone_ms(
+                    win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
                 )
             feasible, flagged = prune_by_standalone(feasible, standalone, slo_check_ms)
             if self.delta > 0:
@@ -172,6 +173,7 @@ class BatchIlpRouter:
                 else np.full(win.n, np.nan)
             )
         self._fill(win, problem, sol, out, flagged, still)
+        mark_unfit(win, out)
         out.ttft_ms = ttft
         out.ttft_rounds = rounds
         overspend(win, out, budget, "over the budget: allowed by configuration")
@@ -215,7 +217,7 @@ class BatchIlpRouter:
                 continue
             cols = problem.mask[i]
             if not cols.any():
-                out.reasons[i] = "no instance with a free slot"
+                out.reasons[i] = "no instance with a free slot that can hold it"
             elif not (free[cols] > 0).any():
                 out.reasons[i] = "no free slot left on its feasible instances in this window"
             else:

@@ -101,33 +101,43 @@ class SfsTtft:
         )
         return np.full(prompt_tokens.size, t if math.isfinite(t) else 3.6e6)
 
+    def _never(self, view: InstanceView, prompt_tokens: IntArray, ttft: FloatArray) -> FloatArray:
+        """A prompt beyond the model's context (``max_model_len``) is never served there."""
+        from routing.sfs import UNSERVABLE_MS
+
+        limit = self._spec(view).context_tokens()
+        out: FloatArray = np.where(prompt_tokens + 1 > limit, UNSERVABLE_MS, ttft)
+        return out
+
     def standalone_ms(
         self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
     ) -> FloatArray:
         if view.state is None or view.stale or view.model not in self.step_time:
-            return self._lps(view, prompt_tokens, output_tokens)
+            return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
         from routing.sfs import standalone_ttft_ms
 
         spec = self._spec(view)
-        return standalone_ttft_ms(
+        ttft = standalone_ttft_ms(
             view.state, prompt_tokens, self.step_time[view.model], spec.scheduler
         )
+        return self._never(view, prompt_tokens, ttft)
 
     def in_order_ms(
         self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
     ) -> FloatArray:
         if view.state is None or view.stale or view.model not in self.step_time:
-            return self._lps(view, prompt_tokens, output_tokens)
+            return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
         from routing.sfs import estimate_ttft_ms
 
         spec = self._spec(view)
-        return estimate_ttft_ms(
+        ttft = estimate_ttft_ms(
             view.state,
             prompt_tokens,
             self.step_time[view.model],
             spec.scheduler,
             output_tokens=np.maximum(output_tokens, 1),
         )
+        return self._never(view, prompt_tokens, ttft)
 
 
 @dataclass

@@ -42,9 +42,11 @@ class LatencyAwareRouter(SequentialRouter):
     def begin(self, win: Window) -> None:
         self._standalone = np.full((win.n, win.k), np.inf)
         for k in np.flatnonzero(win.usable & (win.capacity > 0)).tolist():
-            self._standalone[:, k] = self.ctx.ttft_model.standalone_ms(
-                win.views[k], win.prompt_tokens, win.output_tokens[:, k]
-            )
+            rows = np.flatnonzero(win.fits[:, k])
+            if rows.size:
+                self._standalone[rows, k] = self.ctx.ttft_model.standalone_ms(
+                    win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+                )
 
     def choose(
         self, win: Window, ledger: Ledger, i: int, candidates: np.ndarray, out: Outcome

@@ -255,3 +255,36 @@ def test_worker_config_rejects_a_bad_metadata_refresh(bad: float) -> None:
     with pytest.raises(ValueError, match="metadata_refresh_s"):
         WorkerConfig(instance_id="x", metadata_refresh_s=bad)
     assert WorkerConfig(instance_id="x").metadata_refresh_s == 5.0
+
+
+async def test_sim_backend_answers_a_prompt_beyond_its_context_with_an_error() -> None:
+    """The engine refuses it (as vLLM does with HTTP 400) and keeps serving the others."""
+    from schemas import ModelSpec
+    from workers.backends.base import GenerationRequest
+    from workers.backends.sim import SimBackend
+
+    spec = ModelSpec.model_validate(
+        {
+            "name": "m",
+            "input_usd_per_token": 0.0,
+            "output_usd_per_token": 0.0,
+            "max_model_len": 4_096,
+            "step_time": {"c0_ms": 1.0, "c1_ms_per_token": 1e-4, "c2_ms_per_ctx_token": 0.0,
+                          "c3_ms_per_attn_unit": 0.0},
+        }
+    )  # fmt: skip
+    backend = SimBackend(spec, instance_id="i", time_scale=50.0)
+    await backend.start()
+    try:
+        big, small = (
+            GenerationRequest(Query(id=qid, prompt="x", max_tokens=4), qid, p, 4)
+            for qid, p in (("big", 4_096), ("small", 100))
+        )
+        got_big, got_small = await asyncio.gather(
+            backend.generate(big, lambda *_: None), backend.generate(small, lambda *_: None)
+        )
+    finally:
+        await backend.close()
+    assert got_big.error and "prompt of 4096 tokens" in got_big.error
+    assert "context of 4096 tokens" in got_big.error
+    assert got_small.error is None and got_small.output_tokens == 4
