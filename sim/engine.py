@@ -94,6 +94,7 @@ class EngineEvent:
     kind: Literal["first_token", "finished"]
     request_id: str
     t_s: float
+    cached_tokens: int = 0  # finished: prompt tokens its admission found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,9 @@ class SimEngine:
                     cached_tokens=max(int(self._cached0[r]), 0),
                 )
             )
-            self._pending.append(EngineEvent("finished", self._ids[r], t_end))
+            self._pending.append(
+                EngineEvent("finished", self._ids[r], t_end, max(int(self._cached0[r]), 0))
+            )
             if self._held[r]:
                 self.prefix_cache.release(self._hashes[r][: int(self._held[r])])
             self._n_hashed -= bool(self._hashes[r])
