@@ -10,6 +10,7 @@ same run (one SHA-256 pass over the same bytes: what any content hash must at le
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import time
@@ -30,6 +31,7 @@ def median_us(fn: object, repeats: int = 50) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     rng = np.random.default_rng(0)
     print(f"load average {os.getloadavg()}")
     print("prompt tokens | bytes | blocks | hash us | sha256 us | ratio")
