@@ -21,9 +21,9 @@ from the prompt text by :func:`text_block_hashes`:
 * a block counts as ``TEXT_BLOCK_BYTES / 4`` tokens (the 4-bytes-per-token rule of
   ``Query.estimated_prompt_tokens``), scaled by the producer's ``prompt_tokens`` when given.
 
-Cost: one BLAKE2b pass over the text plus one 8-byte digest per 1 KiB block (about 1 µs per
-block here; ``bench/prefix.py`` measures it). The routers and workers call the same
-function, so the hashes agree across processes; no tokenizer is needed.
+Cost: one BLAKE2b pass over the text plus one 8-byte digest per 1 KiB block: ≈ 2.6 µs per
+block here, 153 µs for a 15k-token prompt (``bench/prefix.py``). The routers and workers
+call the same function, so the hashes agree across processes; no tokenizer is needed.
 """
 
 from __future__ import annotations
