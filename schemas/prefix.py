@@ -21,6 +21,10 @@ from the prompt text by :func:`text_block_hashes`:
 * a block counts as ``TEXT_BLOCK_BYTES / 4`` tokens (the 4-bytes-per-token rule of
   ``Query.estimated_prompt_tokens``), scaled by the producer's ``prompt_tokens`` when given.
 
+There is no session or conversation id field: a chat query carries its conversation in its
+messages, so the text-derived chain already links turn ``t + 1`` to turn ``t``, while an id
+alone cannot say how many tokens two queries share.
+
 Cost: one BLAKE2b pass over the text plus one 8-byte digest per 1 KiB block: ≈ 2.6 µs per
 block here, 153 µs for a 15k-token prompt (``bench/prefix.py``). The routers and workers
 call the same function, so the hashes agree across processes; no tokenizer is needed.
