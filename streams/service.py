@@ -371,6 +371,11 @@ class RouterService:
                         f"query {query.id}: unknown tenant {query.tenant!r}; "
                         f"known tenants: {sorted(self._budgets)}"
                     )
+                if query.model is not None:
+                    try:
+                        self.cluster.models_named(query.model)
+                    except KeyError as exc:
+                        raise BadMessage(f"query {query.id}: {exc.args[0]}") from None
             except BadMessage as exc:
                 self._dead_letter(outs, it, exc.reason, "validate", now)
                 outcome.dead_letters += 1

@@ -199,6 +199,10 @@ class SwitchyardClient:
             log.debug("run_many overran its timeout by %.1f s", loop.time() - deadline)
         return {qid: out[qid] for qid in ids if qid in out}
 
+    def get(self, query_id: str) -> Result | None:
+        """The result for ``query_id`` if it has arrived (never waits)."""
+        return self._results.get(query_id)
+
     def received(self) -> int:
         return len(self._results)
 

@@ -1,0 +1,1 @@
+"""Offline work: never on the routing path (the default predictor's training, …)."""
