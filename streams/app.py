@@ -305,6 +305,7 @@ def create_app(
 
         datadir = tempfile.mkdtemp(prefix=f"{app_id}-")
         atexit.register(shutil.rmtree, datadir, True)
+    os.makedirs(datadir, exist_ok=True)
     app = _RouterFaustApp(
         app_id,
         broker=settings.faust_broker(),
@@ -452,6 +453,9 @@ def run(
         redirect_stdouts=False,
         logging_config=logging_config,
     )
+    # Faust's start-up spinner writes cursor escape codes even off a terminal, and lowers
+    # the root logger to DEBUG for itself (every client's debug record then gets built)
+    worker.spinner = None
     started = time.time()
     log.info("router starting (policy %s)", getattr(runtime.router, "name", "?"))
     profile_to = os.environ.get("SWITCHYARD_PROFILE")  # developer aid: cProfile the whole run
