@@ -41,7 +41,7 @@ from streams.ledger_rebuild import LedgerGuard, kafka_scan
 from streams.metrics import RouterMetrics
 from streams.rescue import KafkaRouteReader, RescueConfig, Rescuer
 from streams.service import Inbound, RouterConfig, RouterService
-from switchyard import topics
+from switchyard import kafka_records, topics
 from switchyard.settings import Settings
 
 log = logging.getLogger("switchyard.router")
@@ -306,6 +306,7 @@ def create_app(
         datadir = tempfile.mkdtemp(prefix=f"{app_id}-")
         atexit.register(shutil.rmtree, datadir, True)
     os.makedirs(datadir, exist_ok=True)
+    kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
     app = _RouterFaustApp(
         app_id,
         broker=settings.faust_broker(),
@@ -362,6 +363,7 @@ def create_app(
                         offset=e.message.offset,
                         timestamp_s=e.message.timestamp,
                         handle=e,
+                        undecodable=kafka_records.undecodable_reason(e.message.headers, e.value),
                     )
                     for e in events
                 ]

@@ -83,6 +83,7 @@ class Inbound:
     offset: int
     timestamp_s: float | None = None
     handle: Any = None
+    undecodable: str | None = None  # a record batch the consumer could not decode (why)
 
 
 @dataclass
@@ -364,6 +365,10 @@ class RouterService:
         valid: list[Pending] = []
         seen: set[str] = set()
         for it in items:
+            if it.undecodable is not None:  # switchyard.kafka_records: never a crash loop
+                self._dead_letter(outs, it, it.undecodable, "decode", now)
+                outcome.dead_letters += 1
+                continue
             try:
                 query = parse_query(it.raw, self.config.limits)
                 if self._budgets and query.tenant not in self._budgets:

@@ -51,7 +51,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from state import StateStore, StateUnavailable, period_id
-from switchyard import topics
+from switchyard import kafka_records, topics
 from switchyard.settings import Settings
 from workers.backends.base import Backend, Generation, GenerationRequest
 from workers.metrics import WorkerMetrics, serve_metrics
@@ -64,6 +64,13 @@ T = TypeVar("T")
 
 MAX_RESULT_BYTES = 900_000  # under the broker's default message.max.bytes (1 MiB)
 CLAIM_RETRY_S = 0.25  # a rescuer holds this query's claim: ask again after this
+# a message whose handling raises (a bug, a body some stage chokes on) is retried this many
+# times in all, then dead-lettered with the stage named and answered with an error Result
+STAGE_TRIES = 3
+STAGE_RETRY_S = 0.2  # first back-off between tries (doubling)
+# a query started this many times without an answer (its worker died running it each time:
+# an engine crash, an OOM) is not started again: it gets an error Result, never a crash loop
+MAX_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,15 @@ class WorkerConfig:
 
 class WorkerFatal(RuntimeError):
     """The worker cannot go on without risking loss (e.g. a result could not be published)."""
+
+
+@dataclass
+class _Progress:
+    """How far one message got: the stage a failure is named after, and what is out already."""
+
+    stage: str = "validate"
+    rq: RoutedQuery | None = None
+    published: bool = False  # its Result is acknowledged by Kafka: never answer it again
 
 
 class _ProgressWriter:
@@ -187,6 +203,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set, then finish in-flight work and commit. Raises ``WorkerFatal``."""
         kw = self.settings.kafka_kwargs(client_id=f"switchyard-worker-{self.instance_id}")
+        kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
         await topics.ensure_topics(
             kw, [self.topic, topics.RESULTS, topics.DEAD_LETTERS, topics.STEP_TIMINGS]
         )
@@ -297,31 +314,98 @@ class Worker:
             # the group rebalanced: the new owner re-reads from the last commit (duplicates are skipped)
             log.warning("worker %s: commit failed (%s); will retry", self.instance_id, exc)
             self.metrics.error("commit")
+        except Exception:  # anything else: the offsets stay committable, the next commit retries
+            log.exception("worker %s: commit raised; will retry", self.instance_id)
+            self.metrics.error("commit")
 
     # ------------------------------------------------------------------ one message
 
     async def _handle(self, tp: TopicPartition, rec: ConsumerRecord[Any, Any]) -> None:
-        try:
-            await self._process(rec)
-        except WorkerFatal as exc:
-            self._fatal = exc  # offset stays unfinished: nothing after it is committed
-            return
-        except Exception as exc:  # a bug must not silently lose the query: stop, do not commit
-            log.exception(
-                "worker %s: unexpected failure on offset %s", self.instance_id, rec.offset
-            )
-            self._fatal = exc
-            return
+        """Process one message; a failure of its own is retried, then contained (``_give_up``).
+
+        ``WorkerFatal`` (a result Kafka would not take) stops the worker without finishing the
+        offset, so the message is re-delivered after a restart. Any other exception is this
+        message's: it is retried ``STAGE_TRIES`` times in all, then dead-lettered with the
+        stage that failed, answered with an error Result (unless its Result is out already),
+        and its offset finished, so the stream goes on.
+        """
+        for tries in range(1, STAGE_TRIES + 1):
+            at = _Progress()
+            try:
+                await self._process(rec, at)
+                break
+            except WorkerFatal as exc:
+                self._fatal = exc  # offset stays unfinished: nothing after it is committed
+                return
+            except Exception as exc:
+                log.exception(
+                    "worker %s: stage %s failed on %s[%d]@%d (try %d of %d)",
+                    self.instance_id, at.stage, rec.topic, rec.partition, rec.offset,
+                    tries, STAGE_TRIES,
+                )  # fmt: skip
+                self.metrics.error(f"stage_{at.stage}")
+                if tries == STAGE_TRIES or at.published:  # a published Result is never re-run
+                    try:
+                        await self._give_up(rec, at, exc, tries)
+                    except Exception as fatal:  # not even a dead letter: stop, lose nothing
+                        self._fatal = fatal
+                        return
+                    break
+                await asyncio.sleep(STAGE_RETRY_S * 2 ** (tries - 1))
         self._tracker.finished(tp, rec.offset)
 
-    async def _process(self, rec: ConsumerRecord[Any, Any]) -> None:
+    async def _give_up(
+        self, rec: ConsumerRecord[Any, Any], at: _Progress, exc: BaseException, tries: int
+    ) -> None:
+        """Dead-letter a message that failed at ``at.stage``; answer its query if not answered."""
+        where = f"{rec.topic}[{rec.partition}]@{rec.offset}"
+        reason = (
+            f"worker {self.instance_id}: stage {at.stage} failed {tries} time(s) on {where}: "
+            f"{type(exc).__name__}: {exc}"
+        )[:2000]
+        await self._dead_letter(rec, reason, time.time(), stage=at.stage)
+        rq = at.rq
+        if rq is None or at.published:
+            return
+        await self._answer_error(rq, reason)
+
+    async def _answer_error(self, rq: RoutedQuery, reason: str) -> None:
+        """An error Result for a query this worker will not run, its slot and reservation freed."""
+        result = Result(
+            query_id=rq.query.id,
+            tenant=rq.query.tenant,
+            instance_id=self.instance_id,
+            model=self.spec.name,
+            error=reason,
+            finished_at=time.time(),
+        )
+        try:
+            await self._publish(topics.RESULTS, rq.query.id, _result_bytes(result))
+        except WorkerFatal:
+            raise
+        except Exception:  # the failing stage was publishing itself: the dead letter says so
+            log.exception("worker %s: no error Result for %s", self.instance_id, rq.query.id)
+            return
+        self.counts["errors"] += 1
+        self.metrics.results_error.inc()
+        try:
+            await self._finish(rq, 0.0)  # nothing ran: the reservation is released at 0
+        except Exception:
+            log.exception("worker %s: could not finish %s", self.instance_id, rq.query.id)
+
+    async def _process(self, rec: ConsumerRecord[Any, Any], at: _Progress) -> None:
         received = time.time()
         raw: bytes | None = rec.value
+        undecodable = kafka_records.undecodable_reason(rec.headers, raw)
+        if undecodable is not None:
+            await self._dead_letter(rec, undecodable, received, stage="decode")
+            return
         try:
             rq = parse_model(RoutedQuery, raw, self.config.limits, "routed query")
         except BadMessage as exc:
             await self._dead_letter(rec, exc.reason, received)
             return
+        at.rq = rq
         if rq.decision.instance_id is not None and rq.decision.instance_id != self.instance_id:
             await self._dead_letter(
                 rec,
@@ -331,6 +415,7 @@ class Worker:
             )
             return
         q = rq.query
+        at.stage = "dedupe"
         mark = await self._best_effort(self.state.result_mark(q.id), default=None)
         if mark is not None:
             # its result is out (a re-delivery after a crash between publishing and committing):
@@ -342,6 +427,7 @@ class Worker:
             # a copy re-routed elsewhere: that copy's decision owns the ledger entry (its
             # period may differ from this one's), so settling here could book it twice
             rerouted = claim is not None and claim.split(" ", 1)[0] in ("rescue", "rerouted")
+            at.published, at.stage = True, "finish"  # answered before: never answer again
             if mark.cost_usd is not None and not rerouted:
                 await self._settle(rq, mark.cost_usd)
             await self._best_effort(self.state.resident_done(self.instance_id, q.id))
@@ -378,6 +464,7 @@ class Worker:
                 async with self._sem:
                     acquired = True
                     self.metrics.queued.dec()
+                    at.stage = "claim"
                     if not await self._claim(q.id):
                         # re-routed while it waited here (this instance went silent): the
                         # copy elsewhere owns the query and its budget reservation, so this
@@ -389,10 +476,21 @@ class Worker:
                     attempt = await self._best_effort(
                         self.state.mark_attempt(q.id, self.config.result_ttl_s), default=1
                     )
+                    if attempt > MAX_RUNS:
+                        # its worker died running it every time: never a crash loop on it
+                        at.stage = "generate"
+                        why = (
+                            f"worker {self.instance_id}: query {q.id} was started {attempt - 1} "
+                            f"times and its worker died each time; not started again"
+                        )
+                        await self._dead_letter(rec, why, received, stage="generate")
+                        await self._answer_error(rq, why)
+                        return
                     if attempt > 1:
                         # started before, never answered: re-delivered after a crash mid-inference
                         self.metrics.reruns.inc()
                         self.counts["reruns"] += 1
+                    at.stage = "generate"
                     self.metrics.in_flight.inc()
                     running_before = self._running
                     self._running += 1
@@ -408,8 +506,11 @@ class Worker:
                 if not acquired:
                     self.metrics.queued.dec()
             await writer.wait()
+            at.stage = "result"
             result = self._result(rq, gen, received, attempt)
+            at.stage = "publish"
             await self._publish(topics.RESULTS, q.id, _result_bytes(result))
+            at.published, at.stage = True, "finish"
             # (it stays in _residents until finished, so a copy arriving now is skipped here)
             # mark published (with its cost), settle, free the slot: one round trip, at once —
             # a crash from here on re-delivers a query that is then skipped
@@ -624,11 +725,11 @@ class Worker:
             raise WorkerFatal(f"cannot publish to {topic}: {exc!r}") from exc
 
     async def _dead_letter(
-        self, rec: ConsumerRecord[Any, Any], reason: str, received: float
+        self, rec: ConsumerRecord[Any, Any], reason: str, received: float, stage: str = "worker"
     ) -> None:
         raw = rec.value if isinstance(rec.value, bytes | bytearray) else b""
         dl = DeadLetter.of(
-            bytes(raw), reason, rec.topic, rec.partition, rec.offset, received, stage="worker"
+            bytes(raw), reason, rec.topic, rec.partition, rec.offset, received, stage=stage
         )
         await self._publish(
             topics.DEAD_LETTERS,
