@@ -498,6 +498,9 @@ class RouterService:
             }
         else:
             spent = await self._spent(period_ids)
+            self.metrics.observe_budgets(
+                {t: b.budget_usd for t, b in self._budgets.items()}, spent
+            )
         elapsed = max(self.config.window_s, now - self._last_window_s)
         self._last_window_s = now
         budget, tenant_windows = window_budget(

@@ -705,6 +705,7 @@ class Worker:
             )
         self.metrics.cost_usd.inc(result.cost_usd)
         self.metrics.output_tokens.inc(result.output_tokens)
+        (self.metrics.slo_met if result.slo_met else self.metrics.slo_missed).inc()
         if gen.engine_ttft_ms is not None:
             self.metrics.ttft.observe(gen.engine_ttft_ms / 1000.0)
         self.metrics.e2e.observe(max(0.0, gen.finished_at - gen.sent_at))

@@ -67,6 +67,9 @@ def register(app: typer.Typer) -> None:
         metrics_port: int = typer.Option(
             0, "--metrics-port", help="Prometheus /metrics port (0: none)"
         ),
+        metrics_host: str = typer.Option(
+            "127.0.0.1", "--metrics-host", help="Address /metrics listens on (0.0.0.0: all)"
+        ),
         app_id: str = typer.Option("switchyard-router", "--app-id", help="Kafka consumer group"),
         commit_interval_s: float = typer.Option(
             0.5, "--commit-interval-s", help="Offset commit period"
@@ -121,7 +124,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1) from None
         metrics = RouterMetrics()
         if metrics_port:
-            metrics.serve(metrics_port)
+            metrics.serve(metrics_port, metrics_host)
         config = RouterConfig(
             window_s=window_ms / 1000.0,
             max_batch=max_batch,

@@ -278,10 +278,12 @@ async def _run_worker(
         settings,
         state,
     )
-    log.info(
-        "worker %s: %s backend, model %s, concurrency %d, Kafka %s, Redis %s",
-        instance, backend.name, w.spec.name, w.concurrency, settings.kafka, settings.redis_display(),
-    )  # fmt: skip
+    # the two lines a worker always says (start and stop), whatever the log level
+    typer.echo(
+        f"worker {instance}: {backend.name} backend, model {w.spec.name}, concurrency "
+        f"{w.concurrency}, Kafka {settings.kafka}, Redis {settings.redis_display()}",
+        err=True,
+    )
     try:
         await w.run(stop)
     except WorkerFatal as exc:
@@ -289,7 +291,7 @@ async def _run_worker(
         return 1
     finally:
         await state.close()
-    log.info("worker %s stopped: %s", instance, w.counts)
+    typer.echo(f"worker {instance} stopped: {w.counts}", err=True)
     return 0
 
 
