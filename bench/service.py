@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
-from switchyard import services, topics  # noqa: E402
-from switchyard.demo import ProcessGroup  # noqa: E402
+from switchyard import services  # noqa: E402
+from switchyard.processes import ProcessGroup  # noqa: E402
+from wiring import kafka_admin, topics  # noqa: E402
 
 SMALL, LARGE = "qwen2.5-7b-instruct", "llama3-chatqa-1.5-70b"  # names the demo predictor knows
 
@@ -190,9 +191,9 @@ async def core(
     spec = ClusterConfig.model_validate(cluster_spec(rid, args.instances))
     predictor = None
     if ":" not in args.policy:
-        from switchyard.demo import ensure_predictor
+        from offline.demo_predictor import ensure_predictor
 
-        predictor = ensure_predictor(home / "logs")
+        predictor = ensure_predictor()
     router = load_router(args.policy, spec, predictor)
     store = await StateStore.connect(redis_url, namespace=f"bench{rid}")
     for inst in spec.instances:
@@ -202,7 +203,9 @@ async def core(
         topics.DEAD_LETTERS,
         topics.RESULTS,
     ]
-    await topics.ensure_topics({"bootstrap_servers": bootstrap}, names, partitions=args.partitions)
+    await kafka_admin.ensure_topics(
+        {"bootstrap_servers": bootstrap}, names, partitions=args.partitions
+    )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
                                 max_batch_size=1024 * 1024, max_request_size=8 * 1024 * 1024)  # fmt: skip
     await producer.start()
@@ -327,9 +330,9 @@ async def flood(
     policy = args.policy
     policy_args: list[str] = ["--policy", policy]
     if ":" not in policy:
-        from switchyard.demo import ensure_predictor
+        from offline.demo_predictor import ensure_predictor
 
-        policy_args += ["--predictor", str(ensure_predictor(home / "logs"))]
+        policy_args += ["--predictor", str(ensure_predictor())]
     store = await StateStore.connect(redis_url, namespace=ns)
     stop = asyncio.Event()
     hb = asyncio.create_task(heartbeat_loop(store, spec, stop))

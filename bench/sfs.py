@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from offline.profiles import read_requests, sched_for, validate_ttft  # noqa: E402
 from routing.lps import lps_ttft_ms  # noqa: E402
 from routing.profiles import load_profile, profile_record  # noqa: E402
 from routing.sfs import estimate_ttft_ms, standalone_ttft_ms  # noqa: E402
@@ -38,8 +39,7 @@ from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
 from schemas import SchedulerConfig  # noqa: E402
 from sim.engine import SimEngine  # noqa: E402
 from sim.timing import LinearTiming, TableTiming  # noqa: E402
-from switchyard.commands.sfs import read_requests, sched_for, validate_ttft  # noqa: E402
-from switchyard.paths import shared_data, vendored_data  # noqa: E402
+from wiring.paths import shared_data, vendored_data  # noqa: E402
 
 PROFILE = "llama-2-7b-hf@h100"  # the 7-8B tier (paper A used Qwen3-8B; no public Qwen3 profile)
 

@@ -83,7 +83,7 @@ class Gateway:
         cluster: ClusterConfig,
         keys: KeyRing,
         config: GatewayConfig,
-        client: Any,  # switchyard.client.SwitchyardClient (started)
+        client: Any,  # wiring.client.SwitchyardClient (started)
         relay: RelayReader,
         store: Any,  # state.StateStore, for the budget pre-check (None: no pre-check)
         metrics: GatewayMetrics | None = None,
@@ -395,12 +395,12 @@ async def start_gateway(
     Returns the gateway and a coroutine function that closes what was opened.
     """
     from state import StateStore, StateUnavailable
-    from switchyard import topics
-    from switchyard.client import SwitchyardClient
+    from wiring import kafka_admin, topics
+    from wiring.client import SwitchyardClient
 
     relay_topic = topics.relay(config.gateway_id)
     kw = settings.kafka_kwargs(client_id=f"switchyard-gateway-{config.gateway_id}")
-    await topics.ensure_topics(
+    await kafka_admin.ensure_topics(
         kw, [topics.QUERIES, topics.RESULTS, relay_topic], partitions=partitions
     )
     client = SwitchyardClient(
@@ -408,7 +408,7 @@ async def start_gateway(
     )
     await client.start()
     relay = RelayReader(kw, relay_topic)
-    await relay.start(await topics.partitions(kw, [relay_topic]))
+    await relay.start(await kafka_admin.partitions(kw, [relay_topic]))
     store = None
     try:
         store = await StateStore.connect(**settings.redis_kwargs())

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from routing.quality import QualityPredictor, load_predictor
+from wiring.paths import REPO_ROOT
 
-ROUTING_ROOT = Path(__file__).resolve().parent.parent / "routing"
-VENDORED = Path(__file__).resolve().parent.parent / "data" / "routing"
+ROUTING_ROOT = REPO_ROOT / "routing"
+VENDORED = REPO_ROOT / "data" / "routing"
 # the code whose changes make a cached artefact stale
 _FINGERPRINTED = ("quality", "features.py", "length.py", "datasets.py")
 
@@ -95,9 +96,11 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityPredictor:
+    from offline.blas import limit_blas_threads
     from routing.datasets import load_routing_data
     from routing.quality import train_predictor
 
+    limit_blas_threads(1)  # spinning BLAS threads slow training several-fold on a shared machine
     say = progress or (lambda _msg: None)
     say(f"reading {recipe.data_path.name} ({recipe.data_path.parent.name})")
     data = load_routing_data(recipe.data_path, recipe.format)

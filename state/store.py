@@ -261,7 +261,7 @@ class StateStore:
         socket_timeout_s: float = 10.0,
     ) -> StateStore:
         """Connect and check with PING; raise ``StateUnavailable`` naming the (password-free) URL."""
-        from switchyard.settings import redact_url
+        from wiring.settings import redact_url
 
         display = redact_url(url)
         kwargs: dict[str, Any] = {

@@ -41,8 +41,8 @@ from streams.ledger_rebuild import LedgerGuard, kafka_scan
 from streams.metrics import RouterMetrics
 from streams.rescue import KafkaRouteReader, RescueConfig, Rescuer
 from streams.service import Inbound, RouterConfig, RouterService
-from switchyard import kafka_records, topics
-from switchyard.settings import Settings
+from wiring import kafka_records, topics
+from wiring.settings import Settings
 
 log = logging.getLogger("switchyard.router")
 

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from schemas import ClusterConfig, Result, RoutedQuery
 from state.store import StateUnavailable, period_bounds
 from streams.ledger_fold import LedgerFold
-from switchyard import topics
+from wiring import topics
 
 log = logging.getLogger("switchyard.router")
 

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 from schemas import ClusterConfig, Query, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from streams.service import Adopted, Inbound, Pending
-from switchyard import topics
+from wiring import topics
 
 log = logging.getLogger("switchyard.router.rescue")
 

@@ -60,7 +60,7 @@ from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
 from streams.views import instance_views, window_budget
-from switchyard import topics
+from wiring import topics
 
 log = logging.getLogger("switchyard.router")
 
@@ -365,7 +365,7 @@ class RouterService:
         valid: list[Pending] = []
         seen: set[str] = set()
         for it in items:
-            if it.undecodable is not None:  # switchyard.kafka_records: never a crash loop
+            if it.undecodable is not None:  # wiring.kafka_records: never a crash loop
                 self._dead_letter(outs, it, it.undecodable, "decode", now)
                 outcome.dead_letters += 1
                 continue

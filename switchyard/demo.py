@@ -5,116 +5,21 @@ fake vLLM servers for a three-tier cluster (configs/demo-cluster.yaml: small, me
 large profiles), one worker per instance and the router — each a subprocess recorded by
 pid — replays two minutes of the Azure conversation trace with queries from the vendored
 routing dataset (data/routing), prints the report, and stops exactly what it started.
-
-``ProcessGroup`` is also what the integration tests use to run routers and workers.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from switchyard.paths import REPO_ROOT
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n_chars: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n_chars:]
-        except OSError:
-            return ""
-
-
-@dataclass
-class ProcessGroup:
-    """Subprocesses started here, stopped here, by pid only (never by name)."""
-
-    log_dir: Path
-    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    children: list[Child] = field(default_factory=list)
-
-    def start(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
-        env = dict(self.env)
-        env.setdefault("PYTHONPATH", str(REPO_ROOT))
-        env["PYTHONUNBUFFERED"] = "1"
-        if extra_env:
-            env.update(extra_env)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                env=env,
-                start_new_session=True,
-            )
-        child = Child(name, proc, log)
-        self.children.append(child)
-        return child
-
-    def switchyard(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Child:
-        return self.start(name, [sys.executable, "-m", "switchyard.cli", *args], extra_env)
-
-    def wait_for_line(self, child: Child, text: str, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if text in child.tail(1_000_000):
-                return
-            if not child.alive():
-                raise RuntimeError(
-                    f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}"
-                )
-            time.sleep(0.1)
-        raise TimeoutError(
-            f"{child.name} did not print {text!r} within {timeout_s:.0f} s:\n{child.tail()}"
-        )
-
-    def stop(self, child: Child, grace_s: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``grace_s``; only this child's pid."""
-        if child.alive():
-            child.proc.send_signal(signal.SIGTERM)
-            try:
-                child.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait(10)
-        return child.proc.returncode
-
-    def kill(self, child: Child) -> None:
-        """SIGKILL (crash tests)."""
-        if child.alive():
-            child.proc.kill()
-            child.proc.wait(10)
-
-    def stop_all(self) -> None:
-        for child in reversed(self.children):
-            self.stop(child)
-        self.children.clear()
-
+from offline.demo_predictor import DEMO_DATA, ensure_predictor
+from switchyard.processes import ProcessGroup
+from wiring.paths import REPO_ROOT
 
 # --------------------------------------------------------------------------- make demo
 
 DEMO_CLUSTER = REPO_ROOT / "configs" / "demo-cluster.yaml"
-DEMO_DATA = REPO_ROOT / "data" / "routing" / "llmrouter_dc9" / "scores_long.csv.gz"
 DEMO_TRACE = "azure_llm_2023_conv.csv.gz"
 
 
@@ -136,7 +41,7 @@ def _wait_alive(instance_ids: list[str], timeout_s: float = 60.0) -> None:
     import asyncio
 
     from state import StateStore
-    from switchyard.settings import Settings
+    from wiring.settings import Settings
 
     async def check() -> None:
         store = await StateStore.connect(**Settings.from_env().redis_kwargs())
@@ -155,24 +60,6 @@ def _wait_alive(instance_ids: list[str], timeout_s: float = 60.0) -> None:
     asyncio.run(check())
 
 
-def ensure_predictor(log_dir: Path) -> Path:
-    """The demo's quality predictor (kNN on data/routing/llmrouter_dc9), trained once (~15 s)."""
-    from switchyard.paths import state_dir
-
-    predictor = state_dir() / "demo" / "predictor-dc9-knn.npz"
-    if predictor.exists():
-        return predictor
-    predictor.parent.mkdir(parents=True, exist_ok=True)
-    group = ProcessGroup(log_dir)
-    child = group.switchyard(
-        "train", "train", "--data", str(DEMO_DATA), "--format", "long", "--estimator", "knn",
-        "--replicates", "8", "--test-fraction", "0", "--out", str(predictor),
-    )  # fmt: skip
-    if child.proc.wait() != 0:
-        raise RuntimeError(f"training the quality predictor failed:\n{child.tail()}")
-    return predictor
-
-
 def run_demo(
     duration_s: float = 120.0, rate_scale: float = 1.0, policy: str = "batch-ilp-sfs"
 ) -> int:
@@ -186,7 +73,7 @@ def run_demo(
     from schemas import ClusterConfig
     from switchyard import services
     from switchyard.commands.replay import build_report, print_report, replay
-    from switchyard.paths import shared_data, state_dir
+    from wiring.paths import shared_data, state_dir
 
     console = Console()
     trace = shared_data("traces", DEMO_TRACE)
@@ -216,7 +103,7 @@ def run_demo(
         with console.status(
             "training the quality predictor on data/routing/llmrouter_dc9 (once) …"
         ):
-            predictor = ensure_predictor(group.log_dir)
+            predictor = ensure_predictor()
 
         spec = ClusterConfig.from_file(DEMO_CLUSTER)
         ports = {inst.id: services.free_port() for inst in spec.instances}

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.devcerts import TlsFiles
-from switchyard.paths import REPO_ROOT, state_dir
+from wiring.paths import REPO_ROOT, state_dir
 
 KAFKA_DIR = REPO_ROOT / "services" / "kafka"
 DEFAULT_KAFKA_PORT = 19092

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.paths import shared_dir
+from wiring.paths import shared_dir
 
 
 def _docker_answers() -> bool:

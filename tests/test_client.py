@@ -11,8 +11,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from schemas import Query, Result
-from switchyard import topics
 from switchyard.client import SwitchyardClient
+from wiring import kafka_admin, topics
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ async def test_submit_and_collect_results(kafka_bootstrap: str) -> None:
             consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False)
             await consumer.start()
             try:
-                tps = await topics.partitions(
+                tps = await kafka_admin.partitions(
                     {"bootstrap_servers": kafka_bootstrap}, [topics.QUERIES]
                 )
                 consumer.assign(tps)

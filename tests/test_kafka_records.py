@@ -1,5 +1,5 @@
 """Records compressed by real producers with every Kafka codec decode; an undecodable batch
-becomes one marked record and the consumer moves past it (``switchyard.kafka_records``).
+becomes one marked record and the consumer moves past it (``wiring.kafka_records``).
 
 On the real broker, with the Kafka console producer and kcat. "Undecodable" is made real by
 taking the codec library away from this process (``aiokafka.codec.cramjam = None``), which
@@ -16,9 +16,9 @@ import aiokafka.codec
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from switchyard import topics
-from switchyard.kafka_records import UNDECODABLE_HEADER, install, undecodable_reason
 from tests.real_producers import CODECS, console_produce, kcat_produce
+from wiring import topics
+from wiring.kafka_records import UNDECODABLE_HEADER, install, undecodable_reason
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""``switchyard.topics.ensure_topics`` returns only once the broker's metadata lists what it
+"""``switchyard.kafka_admin.ensure_topics`` returns only once the broker's metadata lists what it
 created (a group joined earlier gets an empty assignment: faults scenario 4, bug 10)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from switchyard import topics
+from wiring import kafka_admin
 
 
 class Admin:
@@ -63,7 +63,7 @@ def admins(monkeypatch: pytest.MonkeyPatch) -> Admins:
 
 async def test_waits_until_created_topics_have_leaders(admins: Admins) -> None:
     admins.use(lag=3)
-    created = await topics.ensure_topics({}, ["route.a", "route.b"])
+    created = await kafka_admin.ensure_topics({}, ["route.a", "route.b"])
     got = admins.made[-1]
     assert created == ["route.a", "route.b"] and got.created == created
     assert got.described == 4  # unknown, leaderless, leaderless, then visible
@@ -73,8 +73,8 @@ async def test_gives_up_with_a_warning_naming_the_topics(
     admins: Admins, caplog: pytest.LogCaptureFixture
 ) -> None:
     admins.use(lag=10**9)  # never visible
-    with caplog.at_level(logging.WARNING, logger="switchyard.topics"):
-        await topics.ensure_topics({}, ["route.slow"], visible_timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="wiring.kafka_admin"):
+        await kafka_admin.ensure_topics({}, ["route.slow"], visible_timeout_s=0.2)
     assert admins.made[-1].described >= 2
     assert "route.slow" in caplog.text and "not yet in the broker's metadata" in caplog.text
 
@@ -82,5 +82,5 @@ async def test_gives_up_with_a_warning_naming_the_topics(
 async def test_existing_topics_are_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     held = Admin(lag=10**9, existing=("queries",))
     monkeypatch.setattr("aiokafka.admin.AIOKafkaAdminClient", lambda **_kw: held)
-    assert await topics.ensure_topics({}, ["queries"]) == []
+    assert await kafka_admin.ensure_topics({}, ["queries"]) == []
     assert held.described == 0

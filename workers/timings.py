@@ -1,6 +1,6 @@
 """Observed timings a worker reports for online recalibration of the step-time model (Eq. 9).
 
-Published to the ``step-timings`` topic (``switchyard.topics.STEP_TIMINGS``), key = the
+Published to the ``step-timings`` topic (``wiring.topics.STEP_TIMINGS``), key = the
 instance id, JSON body = one of:
 
 ``{"kind": "steps", ...}`` — ``StepBatch``: engine steps executed (the ``sim`` backend,

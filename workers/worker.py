@@ -51,8 +51,8 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from state import StateStore, StateUnavailable, period_id
-from switchyard import kafka_records, topics
-from switchyard.settings import Settings
+from wiring import kafka_admin, kafka_records, topics
+from wiring.settings import Settings
 from workers.backends.base import Backend, Generation, GenerationRequest
 from workers.metrics import WorkerMetrics, serve_metrics
 from workers.offsets import OffsetTracker
@@ -204,7 +204,7 @@ class Worker:
         """Consume until ``stop`` is set, then finish in-flight work and commit. Raises ``WorkerFatal``."""
         kw = self.settings.kafka_kwargs(client_id=f"switchyard-worker-{self.instance_id}")
         kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
-        await topics.ensure_topics(
+        await kafka_admin.ensure_topics(
             kw, [self.topic, topics.RESULTS, topics.DEAD_LETTERS, topics.STEP_TIMINGS]
         )
         self._producer = AIOKafkaProducer(

@@ -1,12 +1,19 @@
 """Batch ILP routing (paper B): one robust ILP per window under budget and capacity.
 
-    maximise Σ a^LB_ij x_ij (− λ·cost)  s.t.  one instance per query, Σ cost <= window
-    budget and each tenant's remaining budget, Σ_i x_ij <= free slots of instance j
+    maximise Σ (a^LB_ij − λ·cost_ij − δ·L̂_ij/τ_i) x_ij  s.t.  one instance per query,
+    Σ cost <= window budget and each tenant's remaining budget, Σ_i x_ij <= free slots
+    of instance j, and (``batch-ilp-sfs``) m·L̂_ij <= τ_i
 
 Columns are instances. Solved by ``routing.ilp`` (fast path by default, warm-started
 from the previous window's budget multiplier). Queries that do not fit are deferred,
-or routed ``over_budget`` when the budget allows overspend. No latency constraint:
-that is ``batch-ilp-sfs``.
+or routed ``over_budget`` when the budget allows overspend. ``batch-ilp`` has no
+latency term; ``batch-ilp-sfs`` adds paper A's SFS TTFT check as constraints
+(``routing.ilp.ttft_cuts``) and, in the objective, paper A's latency penalty with
+weight δ (``delta``; L̂_ij the stand-alone SFS TTFT of query i on instance j, τ_i what
+is left of its SLO). ``ttft_margin`` m is a calibrated multiplier on the predicted TTFT
+(``routing.sfs_margin``: a high quantile of observed/predicted TTFT): the constraint is
+on that quantile rather than on the point estimate, so SFS's errors under load do not
+turn "just meets the SLO" into a miss.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class BatchIlpRouter:
     name = "batch-ilp"
     robust = True
     use_sfs = False
+    default_delta = 0.0
 
     def __init__(
         self,
@@ -47,6 +55,8 @@ class BatchIlpRouter:
         deadline_ms: float | None = None,
         max_ttft_rounds: int = 3,
         robust: bool | None = None,
+        delta: float | None = None,
+        ttft_margin: float = 1.0,
     ) -> None:
         if not math.isfinite(gap_tol) or gap_tol < 0:
             raise ValueError(f"gap_tol must be a finite number >= 0, got {gap_tol}")
@@ -54,6 +64,15 @@ class BatchIlpRouter:
             raise ValueError(f"deadline_ms must be a finite number > 0, got {deadline_ms}")
         if max_ttft_rounds < 0:
             raise ValueError(f"max_ttft_rounds must be >= 0, got {max_ttft_rounds}")
+        delta = self.default_delta if delta is None else delta
+        if not math.isfinite(delta) or delta < 0:
+            raise ValueError(f"delta must be a finite number >= 0, got {delta}")
+        if delta > 0 and not self.use_sfs:
+            raise ValueError(f"{self.name} has no TTFT estimate: delta needs batch-ilp-sfs")
+        if not math.isfinite(ttft_margin) or ttft_margin <= 0:
+            raise ValueError(f"ttft_margin must be a finite number > 0, got {ttft_margin}")
+        self.delta = delta
+        self.ttft_margin = ttft_margin
         self.ctx = ctx
         self.method: Method = method
         self.gap_tol = gap_tol
@@ -99,12 +118,16 @@ class BatchIlpRouter:
         out = Outcome.empty(win.n, self.method)
         flagged = np.zeros(win.n, dtype=np.bool_)
         standalone = np.zeros((win.n, win.k))
+        # the SLO the TTFT *quantile* must meet: m·L̂ <= τ  <=>  L̂ <= τ/m
+        slo_check_ms = win.slo_ms / self.ttft_margin
         if self.use_sfs:
             for k in np.flatnonzero(feasible[0] if win.n else []).tolist():
                 standalone[:, k] = self.ctx.ttft_model.standalone_ms(
                     win.views[k], win.prompt_tokens, win.output_tokens[:, k]
                 )
-            feasible, flagged = prune_by_standalone(feasible, standalone, win.slo_ms)
+            feasible, flagged = prune_by_standalone(feasible, standalone, slo_check_ms)
+            if self.delta > 0:
+                a = a - latency_penalty(standalone, win.slo_ms, self.delta)
         problem = BatchProblem(
             utility=a,
             cost_usd=win.cost_usd,
@@ -127,7 +150,7 @@ class BatchIlpRouter:
                 problem,
                 lambda p: self._solve(p, deadline),
                 in_order,
-                win.slo_ms,
+                slo_check_ms,
                 ~win.estimate,
                 flagged,
                 standalone,
@@ -204,6 +227,17 @@ class BatchIlpSfsRouter(BatchIlpRouter):
 
     name = "batch-ilp-sfs"
     use_sfs = True
+    default_delta = 0.05  # the same default as latency-aware's δ
+
+
+def latency_penalty(ttft_ms: np.ndarray, slo_ms: np.ndarray, delta: float) -> np.ndarray:
+    """Paper A's Lagrangian latency term ``δ · L̂_ij / τ_i`` (``[n, k]``). The ratio is
+    capped at 10: only a query that no instance can serve in time (pinned to its lowest
+    TTFT, paper A's rule) gets there, and an infinite estimate must stay a finite utility."""
+    tau = np.maximum(slo_ms, 1e-9)[:, None]
+    ratio = np.minimum(np.nan_to_num(ttft_ms, nan=10.0, posinf=1e12) / tau, 10.0)
+    out: np.ndarray = delta * ratio
+    return out
 
 
 def make_batch_ilp(ctx: RouterContext, **kwargs: object) -> BatchIlpRouter:

@@ -1,7 +1,8 @@
 """Quality predictors: per-(query, model) quality with a robust lower bound (paper B).
 
 Estimators (``knn``, ``gbdt``, ``irt``) are each fitted as a bootstrap ensemble
-(``base.py``); the lower bound is calibrated by split conformal (``calibration.py``);
+(``base.py``); the lower bound is calibrated by split conformal (``calibration.py``); how much of it to route on is
+selected on calibration queries (``robustness.py``, stored in the artefact);
 ``QualityPredictor`` bundles features, ensemble, calibration, output-length predictor
 and prices into one versioned artefact (``save`` / ``load_predictor``).
 """
@@ -15,8 +16,10 @@ from routing.quality.predictor import (
     QualityPredictor,
     load_predictor,
     make_estimator,
+    recalibrate,
     train_predictor,
 )
+from routing.quality.robustness import RobustSpec, Selection, select_robustness
 
 __all__ = [
     "ARTEFACT_VERSION",
@@ -29,5 +32,9 @@ __all__ = [
     "coverage",
     "load_predictor",
     "make_estimator",
+    "recalibrate",
+    "RobustSpec",
+    "Selection",
+    "select_robustness",
     "train_predictor",
 ]

@@ -26,10 +26,12 @@ from routing.quality.calibration import conformal_kappa, coverage, nonconformity
 from routing.quality.gbdt import GBDTEstimator
 from routing.quality.irt import IRTEstimator
 from routing.quality.knn import KNNEstimator
+from routing.quality.robustness import RobustSpec, Selection, select_robustness
 from routing.types import FloatArray, IntArray
 
 ARTEFACT_FORMAT = "switchyard-quality-predictor"
-ARTEFACT_VERSION = 1
+ARTEFACT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no stored robust spec (routes on the conformal bound at ``level``)
 ESTIMATORS = ("knn", "gbdt", "irt")
 
 Float32Array = npt.NDArray[np.float32]
@@ -76,9 +78,12 @@ def _estimator_from_state(
 class QualityPredictor:
     """Per-(query, model) quality with a calibrated robust lower bound.
 
-    ``level`` is the nominal coverage of ``lower``: P(realised score >= lower) >= level
-    on exchangeable queries. Change it with ``with_level`` (no retraining: the
-    calibration scores are kept).
+    ``lower`` is the robust value the routers see, ``robust.lower(mean, std, s0)``:
+    chosen on calibration data by ``train_predictor`` (``robustness.py``; often the
+    point estimate itself) and stored in the artefact. ``level`` is the nominal coverage
+    of the conformal interval ``conformal_lower``: P(realised score >= it) >= level on
+    exchangeable queries. ``with_level`` routes on that interval instead, ``with_robust``
+    on any spec (no retraining: the calibration scores are kept).
     """
 
     models: list[str]
@@ -92,9 +97,17 @@ class QualityPredictor:
     output_usd_per_token: FloatArray
     meta: dict[str, Any] = field(default_factory=dict)
     seen_text_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
+    robust: RobustSpec | None = None  # None: the conformal bound at ``level`` (version-1 artefacts)
 
     def __post_init__(self) -> None:
         self.kappa = conformal_kappa(self.calibration_scores, self.level)
+        if self.robust is None:
+            self.robust = RobustSpec("conformal", kappa=self.kappa, level=self.level)
+        if self.robust.kind == "per-model" and len(self.robust.offset_per_model) != len(self.models):
+            raise ValueError(
+                f"robust spec has {len(self.robust.offset_per_model)} per-model offsets for "
+                f"{len(self.models)} models"
+            )
         self.length.featurizer = self.featurizer
 
     @property
@@ -105,6 +118,15 @@ class QualityPredictor:
         return int(self.predict_replicates(probe).shape[0])
 
     def with_level(self, level: float) -> QualityPredictor:
+        """The same predictor routing on its conformal bound at nominal ``level``."""
+        kappa = conformal_kappa(self.calibration_scores, level)
+        return self._with(level, RobustSpec("conformal", kappa=kappa, level=level))
+
+    def with_robust(self, spec: RobustSpec) -> QualityPredictor:
+        """The same predictor routing on ``spec`` (e.g. re-selected on new data)."""
+        return self._with(self.level, spec)
+
+    def _with(self, level: float, spec: RobustSpec) -> QualityPredictor:
         return QualityPredictor(
             models=self.models,
             featurizer=self.featurizer,
@@ -117,6 +139,7 @@ class QualityPredictor:
             output_usd_per_token=self.output_usd_per_token,
             meta=dict(self.meta),
             seen_text_hashes=self.seen_text_hashes,
+            robust=spec,
         )
 
     def seen(self, texts: Sequence[str]) -> npt.NDArray[np.bool_]:
@@ -139,8 +162,13 @@ class QualityPredictor:
         R = self.predict_replicates(np.asarray(X, dtype=np.float32))
         mean = R.mean(axis=0, dtype=np.float64)
         std = R.std(axis=0, dtype=np.float64)
-        lower = mean - self.kappa * (std + self.s0)
-        return QualityEstimate(mean=mean, lower=lower, std=std)
+        assert self.robust is not None
+        return QualityEstimate(mean=mean, lower=self.robust.lower(mean, std, self.s0), std=std)
+
+    def conformal_lower(self, est: QualityEstimate) -> FloatArray:
+        """The conformal lower bound at ``level`` (coverage >= level), whatever ``robust`` is."""
+        out: FloatArray = est.mean - self.kappa * (est.std + self.s0)
+        return out
 
     def predict(self, texts: Sequence[str]) -> QualityEstimate:
         return self.predict_features(self.features(texts))
@@ -180,6 +208,7 @@ class QualityPredictor:
             "featurizer": {"name": fname, "params": fparams},
             "estimator": {"name": self.estimator.name, "params": eparams},
             "length": lparams,
+            "robust": None if self.robust is None else self.robust.to_json(),
             "meta": self.meta,
         }
         arrays: dict[str, npt.NDArray[Any]] = {
@@ -217,9 +246,10 @@ def load_predictor(path: str | Path) -> QualityPredictor:
             raise ArtefactError(
                 f"{path}: format {header.get('format')!r}, expected {ARTEFACT_FORMAT!r}"
             )
-        if header.get("version") != ARTEFACT_VERSION:
+        if header.get("version") not in READABLE_VERSIONS:
             raise ArtefactError(
-                f"{path}: artefact version {header.get('version')}, this code reads version {ARTEFACT_VERSION}; "
+                f"{path}: artefact version {header.get('version')}, this code reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; "
                 "retrain with `switchyard train`"
             )
         arrays = {k: npz[k] for k in npz.files}
@@ -247,6 +277,7 @@ def load_predictor(path: str | Path) -> QualityPredictor:
         output_usd_per_token=arrays["output_usd_per_token"].astype(np.float64),
         meta=dict(header.get("meta", {})),
         seen_text_hashes=arrays.get("seen_text_hashes", np.zeros(0, np.uint64)).astype(np.uint64),
+        robust=RobustSpec.from_json(header["robust"]) if header.get("robust") else None,
     )
 
 
@@ -259,14 +290,21 @@ def train_predictor(
     calibration_fraction: float = 0.2,
     seed: int = 0,
     estimator_kwargs: dict[str, Any] | None = None,
+    robust: str | RobustSpec = "auto",
 ) -> QualityPredictor:
     """Fit features, a bootstrap ensemble and the conformal calibration on ``data``.
 
     The queries are split (by query) into a fitting part and a calibration part of
     ``calibration_fraction``; the featurizer is fitted on the fitting texts only.
+    ``robust``: ``auto`` selects the robust value on the calibration queries
+    (``robustness.select_robustness``: the point estimate unless a bound routes better
+    there), ``conformal`` routes on the conformal bound at ``level`` (issue 4's rule),
+    ``point`` on the mean, or a given ``RobustSpec``.
     """
     if n_replicates < 2:
         raise ValueError(f"n_replicates must be >= 2 for a bootstrap interval, got {n_replicates}")
+    if isinstance(robust, str) and robust not in ("auto", "conformal", "point"):
+        raise ValueError(f"robust must be auto, conformal, point or a RobustSpec, got {robust!r}")
     fit_part, cal_part = split_by_query(data, calibration_fraction, seed)
     feat: Any = make_featurizer(featurizer) if isinstance(featurizer, str) else featurizer
     feat.fit(fit_part.texts)
@@ -286,6 +324,24 @@ def train_predictor(
     length.fit(out_tok, prompt, X_all)
     pin = np.nan_to_num(data.input_usd_per_token, nan=0.0)
     pout = np.nan_to_num(data.output_usd_per_token, nan=0.0)
+    selection: Selection | None = None
+    if isinstance(robust, RobustSpec):
+        spec = robust
+    elif robust == "point":
+        spec = RobustSpec()
+    elif robust == "conformal":
+        spec = RobustSpec("conformal", kappa=conformal_kappa(scores, level), level=level)
+    else:
+        c_hat_cal = cost_usd(
+            cal_part.prompt_tokens,
+            length.predict_features(cal_part.prompt_tokens, X_cal),
+            pin,
+            pout,
+        )
+        selection = select_robustness(
+            mean, std, cal_part.scores, c_hat_cal, cal_part.realised_cost_usd(), s0, seed=seed
+        )
+        spec = selection.spec
     pred = QualityPredictor(
         models=list(data.models),
         featurizer=feat,
@@ -307,7 +363,41 @@ def train_predictor(
             ),
             "estimator": est.name,
             "featurizer": feat.name,
+            "robust_selection": None if selection is None else selection.report(),
         },
         seen_text_hashes=np.unique(text_hashes(data.texts)),
+        robust=spec,
     )
     return pred
+
+
+def recalibrate(
+    predictor: QualityPredictor, data: RoutingData, seed: int = 0
+) -> tuple[QualityPredictor, Selection]:
+    """Re-select the robust value on labelled queries of the traffic served (no retraining).
+
+    For a serving-time task mix unlike the training mix: the point estimate stays the
+    default, and a per-model bias bound is taken only where it routes ``data`` better
+    (``robustness.select_robustness``). Queries the predictor was trained on are dropped."""
+    missing = [mdl for mdl in predictor.models if mdl not in data.models]
+    if missing:
+        raise ValueError(f"the data has no scores for predictor model(s) {missing}")
+    data = data.select_models(predictor.models)
+    fresh = np.flatnonzero(~predictor.seen(data.texts))
+    if fresh.size < 20:
+        raise ValueError(
+            f"{fresh.size} queries the predictor was not trained on; recalibration needs >= 20"
+        )
+    data = data.subset(fresh)
+    X = predictor.features(data.texts)
+    est = predictor.predict_features(X)
+    c_hat = predictor.predict_cost_usd(
+        data.prompt_tokens, predictor.length.predict_features(data.prompt_tokens, X)
+    )
+    sel = select_robustness(
+        est.mean, est.std, data.scores, c_hat, data.realised_cost_usd(), predictor.s0, seed=seed
+    )
+    out = predictor.with_robust(sel.spec)
+    out.meta["robust_selection"] = sel.report()
+    out.meta["recalibrated_on_queries"] = int(data.n)
+    return out, sel

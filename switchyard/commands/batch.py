@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from switchyard.paths import DEFAULT_CLUSTER
+from wiring.paths import DEFAULT_CLUSTER
 
 if TYPE_CHECKING:
     from batch.files import InputRules, JobFiles
     from batch.job import JobConfig
     from schemas.openai_api import BatchObject
-    from switchyard.settings import Settings
+    from wiring.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -84,7 +84,7 @@ def register(app: typer.Typer) -> None:
         from batch.files import InputRules, JobFiles, safe_job_name
         from batch.job import ExitCode, JobConfig, exit_code
         from schemas import ClusterConfig
-        from switchyard.settings import Settings, SettingsError
+        from wiring.settings import Settings, SettingsError
 
         files = JobFiles.for_output(input_path, out)
         if cancel:

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from switchyard.paths import DEFAULT_CLUSTER
+from wiring.paths import DEFAULT_CLUSTER
 
 if TYPE_CHECKING:
     from gateway.app import GatewayConfig
     from gateway.auth import KeyRing
     from schemas import ClusterConfig
-    from switchyard.settings import Settings
+    from wiring.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         from gateway.auth import KeyRing
         from schemas import ClusterConfig
         from switchyard.logs import configure_logging
-        from switchyard.settings import Settings, SettingsError
+        from wiring.settings import Settings, SettingsError
 
         configure_logging(log_level)
         try:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import typer
 
+from offline.blas import limit_blas_threads
+
 FORMAT_HELP = (
     "irt-wide (ccf20 scores.csv.gz), long (dc9 scores_long.csv.gz) or nq-records (nq6 JSON Lines)"
 )
@@ -26,22 +28,6 @@ def _fractions(text: str) -> list[float]:
     if not out or any(not 0 < f for f in out):
         raise typer.BadParameter(f"--budget-fractions must be numbers > 0, got {text!r}")
     return out
-
-
-def limit_blas_threads(n: int) -> None:
-    """Cap numpy's OpenBLAS threads (they busy-wait: on a loaded machine the small
-    matrices of training run several times slower with them). No-op when absent."""
-    import ctypes
-    import glob
-
-    import numpy as np
-
-    for lib in glob.glob(
-        str(Path(np.__file__).parent.parent / "numpy.libs" / "libscipy_openblas*.so")
-    ):
-        put = getattr(ctypes.CDLL(lib), "scipy_openblas_set_num_threads64_", None)
-        if put is not None:
-            put(int(n))
 
 
 def _fail(msg: str) -> typer.Exit:
@@ -62,7 +48,9 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path = typer.Option(..., "--out", help="Artefact file to write (.npz)"),
         featurizer: str = typer.Option(
-            "hashed", "--featurizer", help="hashed, minilm (optional extra) or auto"
+            "hashed",
+            "--featurizer",
+            help="hashed, static (MiniLM distilled), hybrid (both), minilm (full transformer, slow) or auto",
         ),
         replicates: int = typer.Option(20, "--replicates", min=2, help="Bootstrap replicates B"),
         level: float = typer.Option(

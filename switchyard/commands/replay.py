@@ -207,11 +207,11 @@ class ResultCollector:
     async def start(self) -> None:
         from aiokafka import AIOKafkaConsumer
 
-        from switchyard import topics
+        from wiring import kafka_admin, topics
 
         kw = self.settings.kafka_kwargs(client_id=self.client_id)
-        await topics.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
-        tps = await topics.partitions(kw, [topics.RESULTS])
+        await kafka_admin.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
+        tps = await kafka_admin.partitions(kw, [topics.RESULTS])
         consumer = AIOKafkaConsumer(**kw, enable_auto_commit=False)
         await consumer.start()
         consumer.assign(tps)
@@ -277,8 +277,8 @@ async def replay(
     from routing.datasets import load_routing_data
     from schemas import Query
     from sim.traffic import load_trace
-    from switchyard import topics
-    from switchyard.settings import Settings
+    from wiring import topics
+    from wiring.settings import Settings
 
     trace = load_trace(trace_path).window(start_s, duration_s)
     if rate_scale != 1.0:
@@ -395,7 +395,7 @@ def register(app: typer.Typer) -> None:
             not trace.exists()
         ):  # a trace name: azure-conv, azure-code, mooncake (../shared/data/traces)
             from sim.traffic import TRACE_FILES
-            from switchyard.paths import shared_data
+            from wiring.paths import shared_data
 
             if str(trace) in TRACE_FILES:
                 trace = shared_data("traces", TRACE_FILES[str(trace)])

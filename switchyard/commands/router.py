@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from switchyard.paths import DEFAULT_CLUSTER
+from wiring.paths import DEFAULT_CLUSTER
 
 DEFAULT_POLICY = "batch-ilp-sfs"
 # ``routing.policies.ROUTERS`` by name (importing it costs seconds; a test keeps them equal)
@@ -95,10 +95,10 @@ def register(app: typer.Typer) -> None:
         from streams.policy import PolicyError, load_router
         from streams.rescue import RescueConfig
         from streams.service import RouterConfig
-        from switchyard import topics
         from switchyard.logs import configure_logging, logging_dict_config
-        from switchyard.paths import state_dir
-        from switchyard.settings import Settings, SettingsError
+        from wiring import kafka_admin, topics
+        from wiring.paths import state_dir
+        from wiring.settings import Settings, SettingsError
 
         configure_logging(loglevel)
         try:
@@ -118,7 +118,9 @@ def register(app: typer.Typer) -> None:
         names = [topics.QUERIES, topics.RESULTS, topics.DEAD_LETTERS, topics.DECISIONS]
         names += [topics.route(i.id) for i in spec.instances]
         try:
-            asyncio.run(topics.ensure_topics(settings.kafka_kwargs(), names, partitions=partitions))
+            asyncio.run(
+                kafka_admin.ensure_topics(settings.kafka_kwargs(), names, partitions=partitions)
+            )
         except Exception as exc:
             typer.echo(f"error: cannot create topics on Kafka at {settings.kafka}: {exc}", err=True)
             raise typer.Exit(1) from None
@@ -161,7 +163,7 @@ def _default_predictor() -> Path:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from offline.predictor import DEFAULT_RECIPE, cached_path, ensure_default_predictor
-    from switchyard.paths import state_dir
+    from wiring.paths import state_dir
 
     cache = state_dir() / "predictors"
     if cached_path(cache, DEFAULT_RECIPE).exists():

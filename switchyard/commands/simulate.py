@@ -18,7 +18,7 @@ import numpy as np
 import typer
 
 from switchyard.commands.router import POLICY_HELP
-from switchyard.paths import REPO_ROOT, shared_data, vendored_data
+from wiring.paths import REPO_ROOT, shared_data, vendored_data
 
 CLUSTERS_DIR = REPO_ROOT / "configs" / "clusters"
 RESULTS_DIR = REPO_ROOT / "docs" / "results"

@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from switchyard.paths import DEFAULT_CLUSTER
+from wiring.paths import DEFAULT_CLUSTER
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
 
         configure_logging(log_level)
         from schemas import ClusterConfig
-        from switchyard.settings import Settings, SettingsError
+        from wiring.settings import Settings, SettingsError
 
         try:
             cfg = ClusterConfig.from_file(cluster)

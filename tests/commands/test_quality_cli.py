@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from switchyard.cli import app
-from switchyard.paths import shared_data
+from wiring.paths import shared_data
 
 # OpenBLAS threads busy-wait: one BLAS thread for this module (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("one_blas_thread")
@@ -130,7 +130,7 @@ def test_nq_records_with_vendored_prices(tmp_path: Path) -> None:
     records = shared_data("routing", "llmrouter_nq6", "nq_router_records.jsonl")
     if not records.exists():
         pytest.skip(f"{records} is absent")
-    from switchyard.paths import vendored_data
+    from wiring.paths import vendored_data
 
     prices = vendored_data("routing", "llmrouter_nq6", "models.csv")
     out = tmp_path / "nq.npz"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from switchyard.cli import app
-from switchyard.paths import vendored_data
+from wiring.paths import vendored_data
 
 runner = CliRunner()
 

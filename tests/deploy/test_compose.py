@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from schemas import ClusterConfig
-from switchyard.paths import DEFAULT_CLUSTER, REPO_ROOT
+from wiring.paths import DEFAULT_CLUSTER, REPO_ROOT
 
 COMPOSE = REPO_ROOT / "docker-compose.yml"
 PROMETHEUS = REPO_ROOT / "deploy" / "prometheus.yml"
@@ -94,7 +94,7 @@ def test_one_fake_vllm_and_one_worker_per_instance_and_commands_parse() -> None:
 
 
 def test_environment_and_ports_are_the_local_launchers() -> None:
-    from switchyard.settings import _ENV, DEFAULT_KAFKA, DEFAULT_REDIS
+    from wiring.settings import _ENV, DEFAULT_KAFKA, DEFAULT_REDIS
 
     services = resolved()["services"]
     known = set(_ENV.values()) | {"SWITCHYARD_CLUSTER", "SWITCHYARD_HOME"}

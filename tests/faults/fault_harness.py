@@ -32,8 +32,8 @@ from typing import Any
 
 from switchyard import services
 from switchyard.devcerts import TlsFiles
-from switchyard.paths import REPO_ROOT
 from switchyard.services import ScramUser, ServiceRecord
+from wiring.paths import REPO_ROOT
 
 PYTHON = sys.executable
 FIGURES_ENV = "SWITCHYARD_FAULTS_FIGURES"

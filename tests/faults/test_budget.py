@@ -39,7 +39,7 @@ from fault_harness import (
     write_figures,
 )
 
-from switchyard.settings import Settings
+from wiring.settings import Settings
 
 pytestmark = pytest.mark.faults
 

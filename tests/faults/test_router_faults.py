@@ -57,7 +57,7 @@ from strategies import (
     unknown_tenant_queries,
 )
 
-from switchyard.settings import Settings
+from wiring.settings import Settings
 
 pytestmark = pytest.mark.faults
 

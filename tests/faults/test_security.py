@@ -36,8 +36,8 @@ from fault_harness import (
 from switchyard import services
 from switchyard.devcerts import TlsFiles, make_dev_certs
 from switchyard.services import ScramUser
-from switchyard.settings import Settings, SettingsError
-from switchyard.topics import ensure_topics
+from wiring.kafka_admin import ensure_topics
+from wiring.settings import Settings, SettingsError
 
 pytestmark = pytest.mark.faults
 

@@ -26,8 +26,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import DeadLetter, Result
 from state import StateStore, period_id
-from switchyard import services, topics
-from switchyard.demo import ProcessGroup
+from switchyard import services
+from switchyard.processes import ProcessGroup
+from wiring import topics
 
 pytestmark = pytest.mark.integration
 

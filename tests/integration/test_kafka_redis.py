@@ -91,7 +91,6 @@ async def test_kafka_ready_works_from_async_code(kafka_bootstrap: str) -> None:
     assert not services.kafka_ready(f"127.0.0.1:{services.free_port()}", timeout_s=1.0)
 
 
-
 @pytest.mark.parametrize("service", ["kafka", "redis"])
 def test_a_failed_start_leaves_nothing_running(
     service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -16,7 +16,7 @@ from routing.datasets import (
     read_models_csv,
     split_by_query,
 )
-from switchyard.paths import shared_data, vendored_data
+from wiring.paths import shared_data, vendored_data
 
 MODELS_CSV = "model,input_price_per_1m_usd,output_price_per_1m_usd\nsmall,0.1,0.2\nbig,1.0,2.0\n"
 

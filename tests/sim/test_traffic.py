@@ -22,7 +22,7 @@ from sim.traffic import (
     scale_rate,
     servegen_arrivals,
 )
-from switchyard.paths import shared_data
+from wiring.paths import shared_data
 
 
 def test_poisson_rate_and_determinism() -> None:

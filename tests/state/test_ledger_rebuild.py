@@ -13,7 +13,7 @@ import pytest
 from schemas import ClusterConfig, Decision, DecisionStatus, Query, Result, RoutedQuery
 from state import StateStore, period_id
 from streams.ledger_rebuild import LedgerGuard
-from switchyard import topics
+from wiring import topics
 
 pytestmark = pytest.mark.integration
 

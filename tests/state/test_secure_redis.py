@@ -11,7 +11,7 @@ import pytest
 from state import StateStore, StateUnavailable
 from switchyard import services
 from switchyard.devcerts import make_dev_certs
-from switchyard.settings import Settings
+from wiring.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -175,9 +175,10 @@ async def test_router_routes_blind_while_redis_is_down(
     from state import StateStore, period_id
     from streams.app import BatchSink
     from streams.service import Inbound, RouterConfig, RouterService
-    from switchyard import services, topics
+    from switchyard import services
     from tests.streams.fake_router import SpreadRouter
     from tests.streams.test_service import read_topic
+    from wiring import kafka_admin, topics
 
     rid = "b" + uuid.uuid4().hex[:6]
     worst = 0.0
@@ -207,7 +208,7 @@ async def test_router_routes_blind_while_redis_is_down(
         bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
     )
     await producer.start()
-    await topics.ensure_topics(
+    await kafka_admin.ensure_topics(
         {"bootstrap_servers": kafka_bootstrap},
         [topics.DECISIONS, topics.DEAD_LETTERS, topics.RESULTS]
         + [topics.route(f"{rid}-{x}") for x in "ab"],

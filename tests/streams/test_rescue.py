@@ -38,7 +38,7 @@ from streams.rescue import (
     to_pending,
 )
 from streams.service import Adopted, Pending, RouterConfig, RouterService
-from switchyard import topics
+from wiring import kafka_admin, topics
 
 
 def _cluster(rid: str) -> ClusterConfig:
@@ -252,7 +252,7 @@ async def env(kafka_bootstrap: str, redis_url: str) -> AsyncIterator[dict[str, A
     spec = _cluster(rid)
     names = [topics.DECISIONS, topics.RESULTS, topics.DEAD_LETTERS]
     names += [topics.route(i.id) for i in spec.instances]
-    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, names, partitions=2)
+    await kafka_admin.ensure_topics({"bootstrap_servers": kafka_bootstrap}, names, partitions=2)
     reader = KafkaRouteReader({"bootstrap_servers": kafka_bootstrap})
     try:
         yield {"rid": rid, "store": store, "producer": producer, "spec": spec, "reader": reader}

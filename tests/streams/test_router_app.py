@@ -23,8 +23,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import ClusterConfig, DeadLetter, Decision, Result, RoutedQuery
 from state import StateStore, period_id
-from switchyard import topics
-from switchyard.demo import ProcessGroup
+from switchyard.processes import ProcessGroup
+from wiring import topics
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from schemas import DeadLetter, RoutedQuery
-from switchyard import topics
 from tests.real_producers import CODECS, console_produce, kcat_produce
 from tests.streams.test_router_app import MAX_CONCURRENCY, end_offsets, rig
+from wiring import topics
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from schemas import ClusterConfig, DeadLetter, RoutedQuery
 from state import StateStore, period_id
 from streams.app import BatchSink
 from streams.service import Inbound, RouterConfig, RouterService
-from switchyard import topics
+from wiring import kafka_admin, topics
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +95,7 @@ async def env(kafka_bootstrap: str, redis_url: str):  # type: ignore[no-untyped-
         topics.route(f"{rid}-a"),
         topics.route(f"{rid}-b"),
     ]
-    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, names, partitions=2)
+    await kafka_admin.ensure_topics({"bootstrap_servers": kafka_bootstrap}, names, partitions=2)
     try:
         yield rid, store, producer
     finally:

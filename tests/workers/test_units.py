@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import Query, Result
-from switchyard import topics
-from switchyard.settings import Settings, SettingsError, redact_url
+from wiring import topics
+from wiring.settings import Settings, SettingsError, redact_url
 from workers import synth
 from workers.backends.vllm import parse_engine_load, request_body
 from workers.offsets import OffsetTracker

@@ -27,10 +27,10 @@ from schemas import (
     StepTimeCoefficients,
 )
 from state import StateStore, period_id
-from switchyard import topics
 from switchyard.client import SwitchyardClient
 from switchyard.services import free_port
-from switchyard.settings import Settings
+from wiring import kafka_admin, topics
+from wiring.settings import Settings
 from workers.backends.sim import SimBackend
 from workers.backends.vllm import VllmBackend, VllmConfig
 from workers.fake_vllm import FakeVllmConfig, build_server, start_server
@@ -121,7 +121,9 @@ async def env(kafka_bootstrap: str, redis_url: str) -> AsyncIterator[dict[str, A
 
 
 async def _produce(producer: AIOKafkaProducer, topic: str, values: list[bytes]) -> None:
-    await topics.ensure_topics({"bootstrap_servers": producer.client._bootstrap_servers}, [topic])
+    await kafka_admin.ensure_topics(
+        {"bootstrap_servers": producer.client._bootstrap_servers}, [topic]
+    )
     futs = [await producer.send(topic, value=v, key=b"k") for v in values]
     await asyncio.gather(*futs)
 
@@ -153,7 +155,7 @@ async def _read_topic(
     await consumer.start()
     out: list[Any] = []
     try:
-        consumer.assign(await topics.partitions({"bootstrap_servers": bootstrap}, [topic]))
+        consumer.assign(await kafka_admin.partitions({"bootstrap_servers": bootstrap}, [topic]))
         await consumer.seek_to_beginning()
         async with asyncio.timeout(timeout_s):
             while not enough(out):
@@ -484,12 +486,12 @@ async def test_worker_consumes_its_route_topic_when_it_appears_after_the_group_j
     consumer refreshes its metadata every ``metadata_refresh_s`` so it joins the partition."""
     iid = "late-" + uuid.uuid4().hex[:8]
     route = topics.route(iid)
-    real_ensure = topics.ensure_topics
+    real_ensure = kafka_admin.ensure_topics
 
     async def all_but_the_route(kafka_kwargs: Any, names: Any, *a: Any, **kw: Any) -> list[str]:
         return await real_ensure(kafka_kwargs, [n for n in names if n != route], *a, **kw)
 
-    monkeypatch.setattr(topics, "ensure_topics", all_but_the_route)
+    monkeypatch.setattr(kafka_admin, "ensure_topics", all_but_the_route)
     cluster = _cluster(iid)
     backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
     worker = Worker(

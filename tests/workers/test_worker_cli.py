@@ -16,8 +16,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from schemas import Decision, Query, RoutedQuery
-from switchyard import topics
 from switchyard.client import SwitchyardClient
+from wiring import topics
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ import pytest
 
 from schemas import DeadLetter
 from state import period_id
-from switchyard import topics
 from tests.real_producers import CODECS, console_produce, kcat_produce
 from tests.workers.test_worker import _cluster, _read_topic, _routed, running
+from wiring import topics
 from workers.backends.sim import SimBackend
 from workers.worker import Worker, WorkerConfig
 

