@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard import services
-from switchyard.demo import Child, ProcessGroup
+from switchyard.processes import Child, ProcessGroup
 
 SMALL, LARGE = "qwen2.5-7b-instruct", "llama3-chatqa-1.5-70b"  # models the default predictor knows
 
