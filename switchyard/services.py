@@ -358,12 +358,30 @@ def kafka_ready(bootstrap: str, timeout_s: float = 5.0, cluster_id: str | None =
 
 
 def ensure_redis_server() -> str:
-    from switchyard.sysdeps import MissingTool, ensure_apt_binary
+    return ensure_debian_tool("redis-server", "redis-server")
 
-    try:
-        return ensure_apt_binary("redis-server")
-    except MissingTool as exc:
-        raise ServiceError(str(exc)) from None
+
+def ensure_kcat() -> str:
+    """Debian's ``kcat`` (a librdkafka producer/consumer): the tests' second real Kafka client."""
+    return ensure_debian_tool("kcat", "kcat")
+
+
+def ensure_debian_tool(binary: str, package: str) -> str:
+    """The path of ``binary``, installing Debian's ``package`` with apt-get (as root) when missing."""
+    path = shutil.which(binary)
+    if path:
+        return path
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise ServiceError(f"{binary} is not installed: run `apt-get install {package}` as root")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise ServiceError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    path = shutil.which(binary)
+    if not path:
+        raise ServiceError(f"apt-get installed {package} but {binary} is not on PATH")
+    return path
 
 
 def redis_up(

@@ -30,11 +30,11 @@ DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "switchyard.json"
 
 
 def docker_compose() -> str:
-    from switchyard.sysdeps import MissingTool, ensure_apt_binary
+    from switchyard.services import ServiceError, ensure_debian_tool
 
     try:
-        return ensure_apt_binary("docker-compose")
-    except MissingTool as exc:
+        return ensure_debian_tool("docker-compose", "docker-compose")
+    except ServiceError as exc:
         pytest.skip(str(exc))
 
 

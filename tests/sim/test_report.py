@@ -54,11 +54,11 @@ def test_short_run_timeline_shows_both_policies(tmp_path: Path) -> None:
 
 
 def chromium() -> str:
-    from switchyard.sysdeps import MissingTool, ensure_apt_binary
+    from switchyard.services import ServiceError, ensure_debian_tool
 
     try:
-        return ensure_apt_binary("chromium")
-    except MissingTool as exc:
+        return ensure_debian_tool("chromium", "chromium")
+    except ServiceError as exc:
         pytest.skip(str(exc))
 
 
