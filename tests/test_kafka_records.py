@@ -17,7 +17,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from tests.real_producers import CODECS, console_produce, kcat_produce
-from wiring import topics
+from wiring import kafka_admin
 from wiring.kafka_records import UNDECODABLE_HEADER, install, undecodable_reason
 
 pytestmark = pytest.mark.integration
@@ -56,7 +56,7 @@ async def _read_all(bootstrap: str, topic: str, group: str | None = None) -> lis
 
 async def test_every_codec_from_both_real_producers_is_read(kafka_bootstrap: str) -> None:
     topic = f"codecs-{uuid.uuid4().hex[:8]}"
-    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
+    await kafka_admin.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
     sent: list[tuple[bytes, bytes]] = []
     for codec in CODECS:
         for tool, produce in (("console", console_produce), ("kcat", kcat_produce)):
@@ -74,7 +74,7 @@ async def test_batches_really_are_compressed_and_undecodable_ones_are_marked(
     """Without the codec library each compressed batch is one mark naming its codec and
     offsets; plain records around it are read; a group commits past it (no loop)."""
     topic = f"codecs-{uuid.uuid4().hex[:8]}"
-    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
+    await kafka_admin.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
     before, after = _records("plain-a", 3), _records("plain-b", 3)
     console_produce(kafka_bootstrap, topic, before, "none")
     for codec in ("lz4", "snappy", "zstd"):

@@ -15,7 +15,7 @@ from schemas import DeadLetter
 from state import period_id
 from tests.real_producers import CODECS, console_produce, kcat_produce
 from tests.workers.test_worker import _cluster, _read_topic, _routed, running
-from wiring import topics
+from wiring import kafka_admin, topics
 from workers.backends.sim import SimBackend
 from workers.worker import Worker, WorkerConfig
 
@@ -50,7 +50,7 @@ async def test_worker_answers_routed_queries_of_every_codec(
 ) -> None:
     iid = "codec-" + uuid.uuid4().hex[:8]
     topic = topics.route(iid)
-    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
+    await kafka_admin.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
     sent: list[str] = []
     for codec in CODECS:
         for tool, produce in (("console", console_produce), ("kcat", kcat_produce)):
@@ -71,7 +71,7 @@ async def test_undecodable_batch_is_dead_lettered_and_the_worker_goes_on(
 ) -> None:
     iid = "nolz4-" + uuid.uuid4().hex[:8]
     topic = topics.route(iid)
-    await topics.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
+    await kafka_admin.ensure_topics({"bootstrap_servers": kafka_bootstrap}, [topic])
     before, lz4, after = _lines(iid, "a", 3), _lines(iid, "lz4", 5), _lines(iid, "b", 3)
     for lines, codec in ((before, "none"), (lz4, "lz4"), (after, "none")):
         console_produce(kafka_bootstrap, topic, [(q.encode(), v) for q, v in lines], codec)
