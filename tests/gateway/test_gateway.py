@@ -9,6 +9,7 @@ a wrong key a 401; a tenant over budget a 429 with an OpenAI error body.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -120,3 +121,56 @@ def test_errors_are_openai_errors(svc: Stack) -> None:
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "prompt"
     raw = httpx.post(url, headers=auth, content=b"{not json")
     assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+
+
+async def test_kafka_front_door_with_kcat(svc: Stack) -> None:
+    """Queries produced by kcat (librdkafka, not our client): OpenAI fields honoured, n=2 and
+    an unknown model dead-lettered with the reason, the rest answered on ``results``."""
+    import json
+    import uuid
+
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas import DeadLetter, Result
+    from tests.real_producers import kcat_produce
+    from wiring import topics
+
+    kafka = svc.env["SWITCHYARD_KAFKA"]
+    tag = uuid.uuid4().hex[:8]
+    bodies = {
+        f"k{tag}-bias": {"prompt": "hello", "max_tokens": 6, "logit_bias": {"50256": -100}, "model": "big"},
+        f"k{tag}-small": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "model": SMALL,
+                          "top_k": 20, "min_p": 0.05},
+        f"k{tag}-n2": {"prompt": "two please", "n": 2},
+        f"k{tag}-gpt": {"prompt": "x", "model": "gpt-4o"},
+    }  # fmt: skip
+    consumer = AIOKafkaConsumer(topics.RESULTS, topics.DEAD_LETTERS, bootstrap_servers=kafka,
+                                auto_offset_reset="latest", group_id=f"kcat-{tag}")  # fmt: skip
+    await consumer.start()
+    try:
+        while not consumer.assignment():
+            await consumer.getmany(timeout_ms=200)
+        for tp in consumer.assignment():
+            await consumer.position(tp)
+        records = [(qid.encode(), json.dumps(dict(b, id=qid)).encode()) for qid, b in bodies.items()]
+        kcat_produce(kafka, topics.QUERIES, records, "zstd")
+        results: dict[str, Result] = {}
+        letters: list[DeadLetter] = []
+        async with asyncio.timeout(90):
+            while len(results) < 2 or len(letters) < 2:
+                for tp, recs in (await consumer.getmany(timeout_ms=500)).items():
+                    for r in recs:
+                        if tp.topic == topics.RESULTS:
+                            res = Result.model_validate_json(r.value)
+                            if res.query_id.startswith(f"k{tag}"):
+                                results[res.query_id] = res
+                        else:
+                            dl = DeadLetter.model_validate_json(r.value)
+                            if f"k{tag}" in dl.raw().decode():
+                                letters.append(dl)
+    finally:
+        await consumer.stop()
+    assert results[f"k{tag}-bias"].error is None and results[f"k{tag}-bias"].model == LARGE
+    assert results[f"k{tag}-small"].error is None and results[f"k{tag}-small"].model == SMALL
+    reasons = " | ".join(dl.reason for dl in letters)
+    assert "n must be 1, got 2" in reasons and "'gpt-4o' is not served" in reasons, reasons
