@@ -261,10 +261,12 @@ def register(app: typer.Typer) -> None:
             for s in summaries:
                 console.print(f"{s['policy']}: simulated in {s['sim_wall_s']:.1f} s wall")
         pngs: list[Path] = []
-        if html is not None and plots is None:
+        scratch = None
+        if html is not None and plots is None:  # plots only for the page: a folder removed after
             import tempfile
 
-            plots = Path(tempfile.mkdtemp(prefix="switchyard-plots-"))
+            scratch = tempfile.TemporaryDirectory(prefix="switchyard-plots-")
+            plots = Path(scratch.name)
         if plots is not None:
             plots.mkdir(parents=True, exist_ok=True)
             pngs.append(
@@ -291,6 +293,8 @@ def register(app: typer.Typer) -> None:
             html.parent.mkdir(parents=True, exist_ok=True)
             html.write_text(page, encoding="utf-8")
             console.print(f"wrote {html}")
+        if scratch is not None:
+            scratch.cleanup()
 
     @app.command("experiment")
     def experiment(
