@@ -231,8 +231,15 @@ class Gateway:
                 code="budget_exceeded",
             )
 
+    async def _submit(self, query: Query) -> None:
+        try:
+            await self.client.submit(query)
+        except Exception as exc:  # noqa: BLE001 - Kafka unreachable: the client hears why
+            log.warning("cannot produce query %s: %s", query.id, exc)
+            raise HttpError(503, f"cannot reach Kafka: {exc}", "service_unavailable") from None
+
     async def _result(self, query: Query) -> Result:
-        await self.client.submit(query)
+        await self._submit(query)
         try:
             result: Result = await self.client.result(query.id, self.config.request_timeout_s)
         except TimeoutError:
@@ -254,7 +261,7 @@ class Gateway:
     ) -> web.StreamResponse:
         queue = self.relay.open(query.id)
         try:
-            await self.client.submit(query)
+            await self._submit(query)
             resp = web.StreamResponse(
                 status=200,
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},

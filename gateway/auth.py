@@ -46,6 +46,12 @@ class KeyRing:
                         f"API key digest {digest[:12]}… is listed for tenants "
                         f"{by_digest[digest]!r} and {t.tenant!r}"
                     )
+        known = {t.tenant for t in cluster.tenants}
+        if anonymous_tenant is not None and known and anonymous_tenant not in known:
+            raise ValueError(
+                f"--anonymous-tenant {anonymous_tenant!r} is not a tenant of the cluster config "
+                f"(tenants: {sorted(known)}); the router would refuse its queries"
+            )
         if not by_digest and anonymous_tenant is None:
             raise ValueError(
                 "no API keys in the cluster config (tenants[].api_keys_sha256; "
