@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # make test runs its own services in their own folder, so a user's `switchyard services up` is left alone
 TEST_HOME := $(CURDIR)/.switchyard/test
 
-.PHONY: install lint test test-unit demo services-up services-down clean
+.PHONY: install lint test test-unit demo services-up services-down clean soak faults-loop
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,16 @@ test: lint
 # The pure suite only (no Kafka, no Redis).
 test-unit: install
 	$(BIN)/pytest -q -m "not integration and not faults" $(PYTEST_ARGS)
+
+# Not part of `make test`: 30 min at half of the measured peak (bench/soak.py; figures in docs/reliability.md).
+soak: install
+	SWITCHYARD_HOME=$(CURDIR)/.switchyard/soak $(BIN)/python bench/soak.py $(SOAK_ARGS)
+
+# Not part of `make test`: faults scenario 4 (broker kill -9) RUNS times in a row, full logs kept.
+RUNS ?= 100
+faults-loop: install
+	SWITCHYARD_HOME=$(CURDIR)/.switchyard/faults-loop $(BIN)/python tests/faults/loop_scenario.py \
+		--runs $(RUNS) --out $(CURDIR)/.switchyard/faults-loop $(LOOP_ARGS)
 
 demo: install
 	$(BIN)/python -m switchyard.demo

@@ -576,26 +576,36 @@ class StateStore:
         ]
         return sum(int(r) for r in await self._script_many("mark_routed", calls))
 
-    async def mark_intent_many(self, intents: Mapping[str, RouteIntent]) -> int:
-        """Record each query's route intent before producing it; returns how many were marked.
+    async def mark_intent_many(self, intents: Mapping[str, RouteIntent]) -> dict[str, str]:
+        """Record each query's route intent before producing it; returns the ids *taken*,
+        each with the instance that holds it: already marked routed, or with another intent
+        recorded first (another router routed them while this one was paused mid-window).
+        Those must not be produced.
 
         A router killed between producing and ``mark_routed_many`` leaves the intent behind;
         its successor re-sends that decision to that instance (``intents``) rather than
-        deciding again, so a query is never routed to two instances.
+        deciding again, so a query is never routed to two instances. A query with no dedupe
+        entry (expired) is neither recorded nor taken.
         """
         if not intents:
-            return 0
+            return {}
         for iid in {i.instance_id for i in intents.values()}:
             self.keys.heartbeat(iid)  # validates each instance id once, not once per query
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, intent in intents.items():
             payload = f"{intent.instance_id}\n{intent.decision_json}"
             groups.setdefault(dedupe_bucket(qid), []).append((qid, payload))
+        rows = list(groups.values())
         calls: list[tuple[Sequence[str], Sequence[Any]]] = [
-            ([self.keys.dedupe(q) for q, _ in rows], [p for _, p in rows])
-            for rows in groups.values()
+            ([self.keys.dedupe(q) for q, _ in group], [p for _, p in group]) for group in rows
         ]
-        return sum(int(r) for r in await self._script_many("mark_intent", calls))
+        replies = await self._script_many("mark_intent", calls)
+        return {
+            qid: holder.decode() if isinstance(holder, bytes) else str(holder)
+            for group, got in zip(rows, replies, strict=True)
+            for (qid, _), holder in zip(group, got, strict=True)
+            if not isinstance(holder, int)
+        }
 
     async def intents(self, query_ids: Sequence[str]) -> dict[str, RouteIntent]:
         """The recorded route intent of each query that has one (one pipelined round trip)."""

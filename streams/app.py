@@ -103,7 +103,7 @@ class OrderedAcker:
     """
 
     def __init__(self) -> None:
-        self._open: dict[Any, dict[int, Inbound]] = {}  # tp -> offset -> input, offset order
+        self._open: dict[Any, dict[int, Inbound]] = {}  # tp -> offset -> input, in offset order
         self._done: dict[Any, set[int]] = {}
         self._abandoned: set[Any] = set()
 
@@ -111,7 +111,17 @@ class OrderedAcker:
         for it in items:
             tp = it.handle.message.tp
             self._abandoned.discard(tp)
-            self._open.setdefault(tp, {})[it.offset] = it
+            opened = self._open.setdefault(tp, {})
+            if opened and it.offset < next(reversed(opened)):
+                # out of order: after a rebalance, events the stream had buffered before it
+                # (higher offsets) can arrive before the re-fetched ones from the committed
+                # offset. The head must stay the lowest open offset, or finishing a buffered
+                # one acknowledges it ahead of a lower unfinished one, and Faust, which lets
+                # a single missing offset after its last commit slip, commits past that query
+                opened[it.offset] = it
+                self._open[tp] = dict(sorted(opened.items()))
+            else:
+                opened[it.offset] = it
 
     def keep(self, it: Inbound) -> bool:
         """False for an input of a partition given up (rebalance or shutdown)."""

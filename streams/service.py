@@ -637,7 +637,42 @@ class RouterService:
             outcome.final_errors += 1
         if intents and not blind:
             # before anything is produced: a successor re-sends these rather than re-deciding
-            await self.state.mark_intent_many(intents)
+            taken = await self.state.mark_intent_many(intents)
+            if taken:
+                await self._drop_taken(taken, intents, outs, routed_marks, latencies, outcome)
+
+    async def _drop_taken(
+        self,
+        taken: Mapping[str, str],
+        intents: Mapping[str, RouteIntent],
+        outs: list[tuple[str, bytes, bytes]],
+        routed_marks: dict[str, str],
+        latencies: list[Inbound],
+        outcome: WindowOutcome,
+    ) -> None:
+        """Queries another router routed while this one was away mid-window (a zombie woken
+        from a pause longer than its group session): theirs stands, these are not produced."""
+        keys = {q.encode() for q in taken}
+        outs[:] = [
+            o for o in outs
+            if not (o[1] in keys and (o[0] == topics.DECISIONS or topics.instance_of(o[0])))
+        ]  # fmt: skip
+        latencies[:] = [it for it in latencies if not _query_key_in(it, keys)]
+        by_instance: dict[str, list[str]] = {}
+        for qid, holder in taken.items():
+            routed_marks.pop(qid, None)
+            mine = intents[qid].instance_id
+            if holder != mine:  # a slot is per (instance, query): the same one is theirs too
+                by_instance.setdefault(mine, []).append(qid)
+        for instance_id, qids in by_instance.items():  # the slot this router took for nothing
+            await self.state.release_slots(instance_id, qids)
+        outcome.routed -= len(taken)
+        self.metrics.decisions.labels("taken_by_another_router").inc(len(taken))
+        log.warning(
+            "%d queries of this window were routed by another router meanwhile (this router "
+            "was paused past its group session?); their routing stands, this one is dropped",
+            len(taken),
+        )
 
     def _give_up(
         self,
@@ -791,6 +826,11 @@ class RouterService:
         self._arrivals[inst] = self._arrivals.get(inst, 0.0) * 0.9 + 0.1 / max(
             self.config.window_s, 1e-3
         )
+
+
+def _query_key_in(it: Inbound, keys: set[bytes]) -> bool:
+    key = getattr(getattr(it.handle, "message", None), "key", None)
+    return isinstance(key, bytes) and key in keys
 
 
 def _transient(exc: BaseException) -> bool:

@@ -1,14 +1,29 @@
 -- Record, before its messages are produced, where a deduped query is being routed and the
 -- exact decision sent, so that a successor router re-sends the same decision to the same
--- instance after a crash instead of deciding again. Only while the dedupe entry lives and
--- only if the query is not marked routed yet (a final mark is never overwritten).
+-- instance after a crash instead of deciding again. The first intent wins: a query already
+-- marked routed, or whose recorded intent is another one, belongs to the router that got
+-- there first (this one was paused mid-window past its group session, a zombie) and must
+-- not be produced again.
 -- KEYS[i] dedupe hash of query i (one hash tag)  ARGV[i] "<instance id>\n<decision json>"
--- Returns how many entries were marked.
-local n = 0
+-- Returns one entry per key: 1 recorded (or already this very intent), 0 no dedupe entry,
+-- or the instance id the query is taken by (routed to, or intended for by another router).
+local out = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 and redis.call('HEXISTS', key, 'routed') == 0 then
-    redis.call('HSET', key, 'intent', ARGV[i])
-    n = n + 1
+  if redis.call('EXISTS', key) == 0 then
+    out[i] = 0
+  else
+    local routed = redis.call('HGET', key, 'routed')
+    if routed then
+      out[i] = routed
+    else
+      local held = redis.call('HGET', key, 'intent')
+      if held and held ~= ARGV[i] then
+        out[i] = string.match(held, '^[^\n]*')
+      else
+        redis.call('HSET', key, 'intent', ARGV[i])
+        out[i] = 1
+      end
+    end
   end
 end
-return n
+return out

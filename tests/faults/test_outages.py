@@ -15,6 +15,7 @@ restarts it on its AOF.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -51,6 +52,8 @@ TIME_SCALE = 50.0
 HEARTBEAT_S = 0.5
 REDIS_DOWN_S = 30.0
 REDIS: dict[str, Any] = {}  # the outage test's figures, for the requirement tests below
+# the workers' log level (tests/faults/loop_scenario.py runs scenario 4 with INFO: full logs)
+LOG_LEVEL = os.environ.get("SWITCHYARD_FAULTS_LOG_LEVEL", "WARNING")
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Rig:
         return [
             "worker", "--instance", instance_id, "--cluster", str(self.cluster_file),
             "--backend", "sim", "--time-scale", f"{TIME_SCALE:g}",
-            "--heartbeat-s", f"{HEARTBEAT_S:g}", "--log-level", "WARNING",
+            "--heartbeat-s", f"{HEARTBEAT_S:g}", "--log-level", LOG_LEVEL,
         ]  # fmt: skip
 
     def revive(self) -> list[str]:

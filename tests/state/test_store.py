@@ -278,7 +278,7 @@ async def test_route_intent_is_kept_until_routed_and_never_overwrites_a_mark(
         await s.dedupe(qid, body, ttl_s=60)
     await s.mark_routed("i3", "gpu-9")  # already routed: its intent is not recorded
     decision = '{"query_id":"i1","status":"routed","instance_id":"gpu-1"}'
-    n = await s.mark_intent_many(
+    taken = await s.mark_intent_many(
         {
             "i1": RouteIntent("gpu-1", decision),
             "i2": RouteIntent("gpu-2", "{}\n{}"),  # newlines in the decision survive
@@ -286,7 +286,10 @@ async def test_route_intent_is_kept_until_routed_and_never_overwrites_a_mark(
             "never-seen": RouteIntent("gpu-1", "{}"),
         }
     )
-    assert n == 2
+    assert taken == {"i3": "gpu-9"}  # routed already: that routing stands; never-seen: no entry
+    # the first intent wins: another router's intent for i1 is refused, the same one is not
+    assert await stores[1].mark_intent_many({"i1": RouteIntent("gpu-2", "{}")}) == {"i1": "gpu-1"}
+    assert await stores[1].mark_intent_many({"i1": RouteIntent("gpu-1", decision)}) == {}
     got = await stores[1].intents(["i1", "i2", "i3", "never-seen"])
     assert got == {"i1": RouteIntent("gpu-1", decision), "i2": RouteIntent("gpu-2", "{}\n{}")}
     entry = await s.dedupe_entry("i1")

@@ -242,3 +242,66 @@ async def test_full_instances_hold_queries_until_a_slot_frees(env) -> None:  # t
     outcome = await svc.retry_held()
     assert outcome is not None and outcome.routed == 1
     assert [it.offset for it in done] == [2] and svc.held_count == 0
+
+
+class _PausedBeforeIntent(RouterService):
+    """A router paused (SIGSTOP) after deciding and reserving, before recording its intents,
+    for longer than its group session: meanwhile ``meanwhile`` (another router) runs."""
+
+    meanwhile: Callable[[], object] | None = None
+
+    async def _route(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        state = self.state
+
+        class _Late:
+            def __getattr__(self, name: str) -> object:
+                return getattr(state, name)
+
+            async def mark_intent_many(_, intents):  # type: ignore[no-untyped-def]
+                if self.meanwhile is not None:
+                    await self.meanwhile()  # type: ignore[misc]
+                return await state.mark_intent_many(intents)
+
+        self.state = _Late()
+        try:
+            await super()._route(*args, **kwargs)
+        finally:
+            self.state = state
+
+
+async def test_a_paused_router_waking_mid_window_does_not_route_again(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The zombie window (issue 16, scenario 9): its queries were re-delivered to and routed
+    by another router while it was paused; when it wakes, theirs stands and it produces
+    nothing for them, and gives back the slots it took."""
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    since = int(time.time() * 1000)
+    spec = cluster(rid)
+    from tests.streams.fake_router import SpreadRouter
+
+    raws = [body(f"{rid}-z{k}") for k in range(6)]
+    window = [Inbound(r, "queries", 0, k) for k, r in enumerate(raws)]
+    zombie = _PausedBeforeIntent(spec, SpreadRouter(spec), store, BatchSink(producer),
+                                 RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+    other = make_service(rid, store, producer)
+    took: list[object] = []
+
+    async def meanwhile() -> None:
+        took.append((await other.handle(window))[0])
+
+    zombie.meanwhile = meanwhile
+    woke, unfinished = await zombie.handle(window)
+    assert took and took[0].routed == 6  # type: ignore[attr-defined]
+    assert woke.routed == 0 and unfinished == []
+    copies: dict[str, set[str]] = {}
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        for _, v in await read_topic(
+            kafka_bootstrap, topics.route(iid), since, lambda got: len(got) >= 1
+        ):
+            copies.setdefault(RoutedQuery.model_validate_json(v).query.id, set()).add(iid)
+    assert sorted(copies) == [f"{rid}-z{k}" for k in range(6)]
+    assert all(len(c) == 1 for c in copies.values()), f"routed twice: {copies}"
+    held = [q for i in (f"{rid}-a", f"{rid}-b") for q in await store.slots_held(i)]
+    assert sorted(held) == sorted(copies)  # the other router's slots: the zombie gave its own back
