@@ -88,6 +88,7 @@ class Plan:
     done: dict[str, BatchOutputLine]  # custom_id -> output line of an earlier run
     attempts: dict[str, int]  # custom_id -> attempt to send now (1 unless it failed before)
     previous: BatchObject | None
+    failed_before: list[BatchOutputLine] = field(default_factory=list)  # retried this run
 
     def todo(self) -> list[Line]:
         return [ln for ln in self.lines if ln.custom_id not in self.done]
@@ -112,12 +113,14 @@ def plan_job(files: JobFiles, rules: InputRules) -> Plan:
     lines, bad = read_input(files.input, rules)
     done = {ln.custom_id: ln for ln in read_lines(files.output) if ln.custom_id is not None}
     attempts = dict((previous.switchyard.get("attempts") if previous else None) or {})
+    failed: list[BatchOutputLine] = []
     for err in read_lines(files.errors):
         code = err.error.code if err.error else ""
         if err.custom_id is not None and code not in FINAL_ERROR_CODES:
             tried = int((err.switchyard or {}).get("attempt", 1))
             attempts[err.custom_id] = max(attempts.get(err.custom_id, 1), tried + 1)
-    return Plan(lines, bad, done, attempts, previous)
+            failed.append(err)
+    return Plan(lines, bad, done, attempts, previous, failed)
 
 
 @dataclass
@@ -226,8 +229,18 @@ class JobRun:
         return self.batch_object()
 
     async def _restore_ledger(self) -> None:
-        """Job-wide spend from the ledger; a ledger lost with Redis gets the recorded spend back."""
+        """Job-wide spend from the ledger; a ledger lost with Redis gets the recorded spend back.
+
+        Lines an earlier run recorded but was killed before settling are settled first (a
+        settle is idempotent per query id), so no reservation of a finished line stays booked.
+        """
         tenant = ledger_tenant(self.job)
+        for done in [*self.plan.done.values(), *self.plan.failed_before]:
+            sy = done.switchyard or {}
+            if sy.get("query_id"):
+                await self.store.settle(
+                    tenant, LEDGER_PERIOD, str(sy["query_id"]), float(sy.get("cost_usd") or 0.0)
+                )
         status = await self.store.budget_status(tenant, LEDGER_PERIOD)
         recorded = (
             float(self.plan.previous.switchyard.get("spend_usd", 0.0))
