@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # make test runs its own services in their own folder, so a user's `switchyard services up` is left alone
 TEST_HOME := $(CURDIR)/.switchyard/test
 
-.PHONY: install lint test test-unit demo services-up services-down clean soak faults-loop
+.PHONY: install lint test test-cluster test-unit demo services-up services-down clean soak faults-loop
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ lint: install
 test: lint
 	SWITCHYARD_HOME=$(TEST_HOME) $(BIN)/python -m switchyard.testrun -- \
 		$(BIN)/pytest -q -ra --durations=25 --timeout=300 $(PYTEST_ARGS)
+
+# The cluster suite (tests/clusters, and tests/state on the Redis Cluster): a 3-broker KRaft
+# Kafka and a 3-primary Redis Cluster with one replica each, started and stopped here. Apart
+# from `make test` because three brokers and six redis-servers do not fit its 20 minutes on a
+# small machine; .ci/run runs both.
+test-cluster: install
+	SWITCHYARD_HOME=$(CURDIR)/.switchyard/test-cluster $(BIN)/python -m switchyard.testrun --clusters -- \
+		$(BIN)/pytest -q -ra --durations=15 --timeout=600 tests/clusters tests/state \
+		tests/integration/test_end_to_end.py $(PYTEST_ARGS)
 
 # The pure suite only (no Kafka, no Redis).
 test-unit: install

@@ -129,22 +129,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.quick:
             data = split_by_query(data, 0.6, seed=1)[0]  # 40% of dc9 keeps --quick short
         train, _ = split_by_query(data, 0.2, seed=0)
-        for est in estimators:
+        for feat, est in [(f, e) for f in args.featurizers.split(",") for e in estimators]:
             t = time.perf_counter()
             pred = train_predictor(
-                train, est, n_replicates=args.replicates, level=args.level, seed=0
+                train, est, feat, n_replicates=args.replicates, level=args.level, seed=0
             )
             fit_s = time.perf_counter() - t
             rep = evaluate_predictor(pred, data, FRACTIONS)
-            rep.pop("curve", None)
+            curve = rep.pop("curve", None)
             row = {
                 "dataset": name,
                 "fit_s": fit_s,
                 **rep,
                 **speed(pred, data.texts, 3 if args.quick else 9),
             }
+            if curve:  # robust minus point at each of the 20 budget fractions 0.05..1
+                row["robust_minus_point"] = [
+                    r - q for r, q in zip(curve["robust"], curve["point"], strict=True)
+                ]
             report["results"].append(row)
-            if not args.quick and est == args.sweep_estimator.get(name, "knn"):
+            if (
+                not args.quick
+                and args.sweep
+                and feat == "hashed"
+                and est == args.sweep_estimator.get(name, "knn")
+            ):
                 for level in args.sweep_levels:
                     r = evaluate_predictor(pred.with_level(level), data, FRACTIONS)
                     report["level_sweep"].append(
@@ -180,15 +189,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     lines: list[str] = []
     lines.append(
-        "| dataset | estimator | n test | coverage (nominal) | uncalibrated | MAE | AUC point | AUC robust "
-        "| oracle | best single | fit s | predict 1024 ms (m) |"
+        "| dataset | featurizer | estimator | n test | coverage (nominal) | uncalibrated | MAE | AUC point "
+        "| AUC robust | robust chosen | worst robust - point | oracle | best single | fit s | predict 1024 ms (m) |"
     )
-    lines.append("|" + "---|" * 12)
+    lines.append("|" + "---|" * 15)
     for r in report["results"]:
+        worst = min(r.get("robust_minus_point", [float("nan")]))
         lines.append(
-            f"| {r['dataset']} | {r['estimator']} | {r['n_queries']} | {r['coverage']:.3f} ({r['nominal_coverage']:.2f}) "
+            f"| {r['dataset']} | {r.get('featurizer', 'hashed')} | {r['estimator']} | {r['n_queries']} "
+            f"| {r['coverage']:.3f} ({r['nominal_coverage']:.2f}) "
             f"| {r['coverage_uncalibrated_bootstrap']:.3f} | {r['mae_mean']:.3f} | {r['auc_point']:.4f} "
-            f"| {r['auc_robust']:.4f} | {r['oracle_quality']:.4f} | {r['best_single_model_quality']:.4f} "
+            f"| {r['auc_robust']:.4f} | {r.get('robust', '')} | {worst:+.4f} | {r['oracle_quality']:.4f} "
+            f"| {r['best_single_model_quality']:.4f} "
             f"({r['best_single_model']}) | {r['fit_s']:.1f} | {r['predict_1024_ms']:.1f} ({r['n_models']}) |"
         )
     lines.append("")
@@ -238,6 +250,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="vendored dc9 only (40%% of it), < 60 s")
     ap.add_argument("--estimators", default="knn,gbdt,irt")
+    ap.add_argument(
+        "--featurizers", default="hashed", help="comma list: hashed, static, hybrid (issue 13)"
+    )
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the level sweep")
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--level", type=float, default=0.9)
     ap.add_argument("--out", type=Path, help="also write the JSON report here")

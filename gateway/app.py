@@ -408,7 +408,10 @@ async def start_gateway(
     relay_topic = topics.relay(config.gateway_id)
     kw = settings.kafka_kwargs(client_id=f"switchyard-gateway-{config.gateway_id}")
     await kafka_admin.ensure_topics(
-        kw, [topics.QUERIES, topics.RESULTS, relay_topic], partitions=partitions
+        kw,
+        [topics.QUERIES, topics.RESULTS, relay_topic],
+        partitions=partitions,
+        **settings.topic_kwargs(),
     )
     client = SwitchyardClient(
         settings=settings, client_id=f"switchyard-gateway-{config.gateway_id}"

@@ -10,8 +10,10 @@ Policies (``SchedulerConfig.policy``):
   prompt for a prefill) capped by the budget left (chunked prefill); then waiting requests
   FCFS while budget, ``max_num_seqs`` and KV blocks allow. When the KV cache (``kv_blocks``
   of ``block_size_tokens``) cannot hold the next step, the latest running request is
-  preempted by recompute. A shared prefix of ``shared_prefix_tokens`` is a prefix-cache hit
-  at admission (vLLM always recomputes at least the last prompt token).
+  preempted by recompute. A row's cached prefix (``Workload.hit``: its own prefix-cache
+  hit, at least ``shared_prefix_tokens``) is skipped at admission (vLLM always recomputes
+  at least the last prompt token); the caller (engine or SFS) keeps ``hit`` of waiting rows
+  up to date with its cache.
 * ``sarathi``: Sarathi-Serve: a fixed per-step budget ``chunk_size_tokens``, decodes first,
   then running prefill chunks, then new requests.
 * ``vllm-v0``: prefill-first without chunking: whenever waiting requests fit (whole prompts
@@ -24,6 +26,16 @@ number of tokens each step; a prefill can complete and a decode can finish only 
 segment's last step). Per-step features then grow arithmetically, so Eq. 9 sums in closed
 form over a segment (:meth:`Segment.total_ms`) and the engine prices its steps as one
 vector.
+
+Long context: one request never holds more than the KV cache (``kv_blocks`` x
+``block_size_tokens`` = :func:`kv_capacity_tokens`): a row's prompt is at most that less
+one token, and its output is cut where prompt + output reaches it (vLLM stops a request at
+its context limit with ``finish_reason: length``; it refuses to start with a
+``--max-model-len`` its cache cannot hold, and rejects a longer prompt). The engine
+rejects such prompts on submit and SFS prices them as never servable (a :class:`Workload`
+refuses them with a :class:`SchedulingError`; SFS clamps a snapshot's residents that
+disagree with the configuration). Then a lone request always
+fits, and requests that fit alone but not together wait or are preempted as in vLLM.
 
 Simplifications (documented, shared by SFS and the engine so they agree exactly): rows are
 kept in arrival order and running order is arrival order (vLLM re-appends a re-admitted
@@ -51,6 +63,11 @@ POLICIES = ("vllm-v1", "sarathi", "vllm-v0")
 
 class SchedulingError(ValueError):
     """The workload cannot be scheduled (e.g. a request needs more KV blocks than exist)."""
+
+
+def kv_capacity_tokens(sched: SchedulerConfig) -> int:
+    """Tokens the whole KV cache holds: the most one request (prompt + output) can use."""
+    return sched.kv_blocks * sched.block_size_tokens
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,19 @@ class Applied:
     finished: IntArray
 
 
+def _servable_prompts(prompt: IntArray, cap_tokens: int) -> IntArray:
+    """Prompts as rows (at least 1 token); one the KV cache cannot hold is an error."""
+    p = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
+    bad = np.flatnonzero(p + 1 > cap_tokens)
+    if bad.size:
+        i = int(bad[0])
+        raise SchedulingError(
+            f"request {i}: a prompt of {int(p[i])} tokens leaves no room for an output token "
+            f"in a KV cache of {cap_tokens} tokens; refuse it before scheduling"
+        )
+    return p
+
+
 _BIG = np.iinfo(np.int64).max
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -132,7 +162,7 @@ class Workload:
     predicted). Arrays are owned and mutated in place by :meth:`apply`.
     """
 
-    __slots__ = ("prompt", "prefilled", "decoded", "output", "sched", "_budget", "_prefix")
+    __slots__ = ("prompt", "prefilled", "decoded", "output", "hit", "sched", "_budget", "_prefix")
 
     def __init__(
         self,
@@ -142,7 +172,8 @@ class Workload:
         output: IntArray,
         sched: SchedulerConfig,
     ) -> None:
-        self.prompt = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
+        cap = kv_capacity_tokens(sched)
+        self.prompt = _servable_prompts(prompt, cap)
         self.prefilled = np.minimum(np.asarray(prefilled, dtype=np.int64), self.prompt)
         dec = np.asarray(decoded, dtype=np.int64)
         # a finished prefill has produced its first token
@@ -152,6 +183,9 @@ class Workload:
             np.asarray(output, dtype=np.int64),
             np.where(self.prefilled == self.prompt, self.decoded + 1, 1),
         )
+        self.output = np.maximum(np.minimum(self.output, cap - self.prompt), 1)
+        self.decoded = np.minimum(self.decoded, self.output - 1)
+        self.hit = np.zeros_like(self.prompt)  # prefix-cache hit tokens at admission
         self.sched = sched
         if sched.policy not in POLICIES:
             raise SchedulingError(f"unknown scheduling policy {sched.policy!r}; known: {POLICIES}")
@@ -170,18 +204,24 @@ class Workload:
         w.prefilled = self.prefilled.copy()
         w.decoded = self.decoded.copy()
         w.output = self.output.copy()
+        w.hit = self.hit.copy()
         w.sched = self.sched
         w._budget = self._budget
         w._prefix = self._prefix
         return w
 
-    def append(self, prompt: IntArray, output: IntArray) -> None:
-        """Add new waiting requests at the end of the FCFS queue."""
-        p = np.maximum(np.asarray(prompt, dtype=np.int64), 1)
+    def append(self, prompt: IntArray, output: IntArray, hit: IntArray | None = None) -> None:
+        """Add new waiting requests at the end of the FCFS queue (outputs cut at the KV
+        cache: see the module docstring)."""
+        cap = kv_capacity_tokens(self.sched)
+        p = _servable_prompts(prompt, cap)
+        out = np.clip(np.asarray(output, np.int64), 1, np.maximum(cap - p, 1))
         self.prompt = np.concatenate([self.prompt, p])
         self.prefilled = np.concatenate([self.prefilled, np.zeros_like(p)])
         self.decoded = np.concatenate([self.decoded, np.zeros_like(p)])
-        self.output = np.concatenate([self.output, np.maximum(np.asarray(output, np.int64), 1)])
+        self.output = np.concatenate([self.output, out])
+        h = np.zeros_like(p) if hit is None else np.asarray(hit, dtype=np.int64)
+        self.hit = np.concatenate([self.hit, h])
 
     def remove(self, rows: IntArray) -> None:
         keep = np.ones(self.n, dtype=bool)
@@ -190,6 +230,7 @@ class Workload:
         self.prefilled = self.prefilled[keep]
         self.decoded = self.decoded[keep]
         self.output = self.output[keep]
+        self.hit = self.hit[keep]
 
     def _preempt(self, row: int) -> None:
         # recompute: drop the KV cache; re-prefill prompt + generated tokens, then go on
@@ -248,7 +289,7 @@ class Workload:
         if n_wait and left > 0 and slots > 0 and not preempted:
             w = np.flatnonzero(pre == 0)[:slots]
             pw = prompt[w]
-            hit = np.minimum(self._prefix, pw - 1) if self._prefix else np.zeros_like(pw)
+            hit = np.minimum(np.maximum(self.hit[w], self._prefix), pw - 1)
             nw = pw - hit
             cw = np.cumsum(nw)
             qw = np.minimum(np.maximum(left - (cw - nw), 0), nw)
@@ -330,7 +371,7 @@ class Workload:
         if n_wait and slots > 0:
             w = np.flatnonzero(~running)[:slots]
             pw = prompt[w]
-            hit = np.minimum(self._prefix, pw - 1) if self._prefix else np.zeros_like(pw)
+            hit = np.minimum(np.maximum(self.hit[w], self._prefix), pw - 1)
             nw = pw - hit
             bw = (pw + (bs - 1)) // bs
             fits_kv = np.cumsum(bw) <= sched.kv_blocks - blocks_used

@@ -19,14 +19,22 @@ Eq. 9 cost telescopes: ``sum q*(q/2+ctx) = (P^2 - K^2)/2`` however the prompt is
 So one residents-only simulation serves every candidate and each candidate costs a few
 vector operations. (It assumes the candidate triggers no preemption; :func:`estimate_ttft_ms`
 is the exact reference.)
+
+Long context: a candidate whose prompt the instance's KV cache can never hold (prompt +
+one output token > ``kv_blocks`` x ``block_size_tokens``) gets :data:`UNSERVABLE_MS`, a
+finite "never", from both functions and takes no part in the simulation (the engine would
+refuse it). A candidate that fits alone but not beside the residents waits, or is preempted
+and re-admitted, exactly as the scheduling model says; every answer is finite.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
-from routing.scheduling import Workload
+from routing.scheduling import Workload, kv_capacity_tokens
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState
 from schemas import SchedulerConfig
@@ -35,6 +43,14 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 DEFAULT_OUTPUT_TOKENS = 128
+
+UNSERVABLE_MS = 1e9  # finite "never": a prompt this instance's KV cache can never hold
+
+
+def servable(prompt_tokens: IntArray, sched: SchedulerConfig) -> npt.NDArray[np.bool_]:
+    """Prompts the KV cache can hold with at least their first output token."""
+    out: npt.NDArray[np.bool_] = np.maximum(prompt_tokens, 1) + 1 <= kv_capacity_tokens(sched)
+    return out
 
 
 def _check_state(state: InstanceState) -> None:
@@ -76,10 +92,15 @@ def _as_tokens(name: str, values: IntArray | list[int], min_value: int) -> IntAr
 
 
 def workload_from_state(state: InstanceState, sched: SchedulerConfig) -> Workload:
-    """The scheduler's view of a snapshot (validated; errors name the bad row)."""
+    """The scheduler's view of a snapshot (validated; errors name the bad row).
+
+    A resident longer than this configuration's KV cache can hold (a snapshot from an
+    engine configured otherwise) is taken as cut to fit, so that SFS still answers.
+    """
     _check_state(state)
+    cap = kv_capacity_tokens(sched)
     return Workload(
-        state.prompt_tokens,
+        np.minimum(state.prompt_tokens, cap - 1),
         state.prefilled_tokens,
         state.decoded_tokens,
         state.predicted_output_tokens,
@@ -94,6 +115,15 @@ def _default_output(state: InstanceState, k: int) -> IntArray:
     return np.full(k, DEFAULT_OUTPUT_TOKENS, dtype=np.int64)
 
 
+def _hits(name: str, hit_tokens: IntArray | None, k: int) -> IntArray:
+    if hit_tokens is None:
+        return np.zeros(k, dtype=np.int64)
+    h = _as_tokens(name, hit_tokens, 0)
+    if h.size != k:
+        raise ValueError(f"{name} has {h.size} rows, prompt_tokens has {k}")
+    return h
+
+
 def estimate_ttft_ms(
     state: InstanceState,
     prompt_tokens: IntArray,
@@ -102,13 +132,21 @@ def estimate_ttft_ms(
     output_tokens: IntArray | None = None,
     *,
     start_delay_ms: float = 0.0,
+    hit_tokens: IntArray | None = None,
+    shared_tokens: IntArray | None = None,
+    block_tokens: FloatArray | None = None,
 ) -> FloatArray:
     """TTFT (ms from now) of each new query if all are appended FCFS, in this order.
 
     ``output_tokens`` are the new queries' (predicted) output lengths; they matter for the
     queries behind them. Default: the residents' mean prediction, else 128.
     ``start_delay_ms``: time until the instance's in-flight step ends (the snapshot is the
-    state after it).
+    state after it). Prefix cache (``routing.prefix``): ``hit_tokens[i]`` of query i's
+    prompt are cached here already; ``shared_tokens[i, j]`` (j < i) of them it shares with
+    the earlier query j. A prompt is cached as it is prefilled (whole blocks of
+    ``block_tokens[j]``, default 1), so query i, when admitted, also skips what of its
+    shared prefixes the earlier queries have computed by then: the first query warms the
+    cache for the next.
     """
     prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
     k = int(prompts.size)
@@ -121,28 +159,88 @@ def estimate_ttft_ms(
     )
     if outs.size != k:
         raise ValueError(f"output_tokens has {outs.size} rows, prompt_tokens has {k}")
+    hits = _hits("hit_tokens", hit_tokens, k)
+    ok = servable(prompts, sched)
+    ttft = np.where(ok, np.nan, UNSERVABLE_MS)
+    new_rows = np.flatnonzero(ok)  # candidate of each appended row
     w = workload_from_state(state, sched)
     n0 = w.n
-    w.append(prompts, outs)
-    ids = np.arange(n0 + k)
-    ttft = np.full(k, np.nan)
+    w.append(prompts[ok], outs[ok], hits[ok])
+    ids = np.arange(n0 + new_rows.size)
+    warm = _Warming.of(n0, ok, hits, shared_tokens, block_tokens)
     t = float(start_delay_ms)
-    pending = k
-    while pending:
+    while np.isnan(ttft).any():
+        if warm is not None:
+            warm.update(w, ids)
         seg = w.plan()
-        if seg is None:  # pragma: no cover - new rows are always schedulable
+        if seg is None:  # pragma: no cover - a servable waiting row is always schedulable
             raise RuntimeError("SFS: nothing schedulable while new queries are still waiting")
         t += seg.total_ms(model)
         done = w.apply(seg)
         if done.first_token.size:
             got = ids[done.first_token]
-            got = got[got >= n0] - n0
+            got = new_rows[got[got >= n0] - n0]
+            # a candidate preempted after its first token gets a "first token" again when
+            # it is re-admitted: only the first one counts
+            got = got[np.isnan(ttft[got])]
             ttft[got] = t
-            pending -= int(got.size)
         if done.finished.size:
+            if warm is not None:
+                warm.finished(ids[done.finished])
             w.remove(done.finished)
             ids = np.delete(ids, done.finished)
     return ttft
+
+
+@dataclass
+class _Warming:
+    """New queries that share prefixes with earlier new queries (``estimate_ttft_ms``),
+    restricted to the servable ones: row ``a`` of ``shared`` is the a-th appended row."""
+
+    row_id: IntArray  # workload row id of each appended candidate (ids stay sorted)
+    shared: IntArray  # [m, m] tokens of a's prompt that b (< a) shares
+    block: FloatArray  # [m] cache granularity of each candidate's prompt (tokens per block)
+    base: IntArray  # [m] each one's own cache hit
+    progress: FloatArray  # [m] most of each prompt seen computed so far
+
+    @classmethod
+    def of(
+        cls,
+        n0: int,
+        ok: npt.NDArray[np.bool_],
+        hits: IntArray,
+        shared: IntArray | None,
+        block: FloatArray | None,
+    ) -> _Warming | None:
+        if shared is None:
+            return None
+        k = int(ok.size)
+        sh = np.asarray(shared, dtype=np.int64)
+        if sh.shape != (k, k):
+            raise ValueError(f"shared_tokens must have shape {(k, k)}, got {sh.shape}")
+        sh = np.tril(np.maximum(sh, 0), -1)[np.ix_(ok, ok)]
+        if not sh.any():
+            return None
+        bt = np.ones(k) if block is None else np.maximum(np.asarray(block, np.float64), 1.0)
+        m = int(ok.sum())
+        return cls(n0 + np.arange(m), sh, bt[ok], hits[ok], np.zeros(m))
+
+    def update(self, w: Workload, ids: IntArray) -> None:
+        """Waiting candidates get what of their shared prefixes is computed by now."""
+        pos = np.searchsorted(ids, self.row_id)
+        here = (pos < ids.size) & (ids[np.minimum(pos, ids.size - 1)] == self.row_id)
+        pos = np.minimum(pos, ids.size - 1)
+        done = np.where(here, np.minimum(w.prefilled[pos], w.prompt[pos]), 0)
+        self.progress = np.maximum(self.progress, done)
+        cached = np.floor(self.progress / self.block + 1e-9) * self.block  # whole blocks [m]
+        warm = np.minimum(self.shared, cached[None, :]).max(axis=1)
+        hit = np.maximum(self.base, warm.astype(np.int64))
+        waiting = here & (w.prefilled[pos] == 0)
+        w.hit[pos[waiting]] = hit[waiting]
+
+    def finished(self, row_ids: IntArray) -> None:
+        """A candidate that finished had computed its whole prompt."""
+        self.progress = np.where(np.isin(self.row_id, row_ids), np.inf, self.progress)
 
 
 def standalone_ttft_ms(
@@ -152,32 +250,52 @@ def standalone_ttft_ms(
     sched: SchedulerConfig,
     *,
     start_delay_ms: float = 0.0,
+    hit_tokens: IntArray | None = None,
 ) -> FloatArray:
     """TTFT (ms from now) of each candidate if it alone were appended to ``state``.
 
     Vectorised over candidates: one residents-only simulation, then a few array operations
     per candidate. Equals ``estimate_ttft_ms(state, [p], ...)`` for each ``p`` unless the
-    candidate's own KV usage would trigger a preemption.
+    candidate's own KV usage would trigger a preemption. ``hit_tokens[i]``: prompt tokens
+    of candidate i already in this instance's prefix cache (it prefills only the rest).
     """
     prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
     if prompts.size == 0:
         return np.zeros(0)
+    hits = _hits("hit_tokens", hit_tokens, int(prompts.size))
     if sched.policy == "vllm-v0":
         # prefill-first: a new prompt delays the residents, so no shared timeline exists
         return np.array(
             [
-                estimate_ttft_ms(state, np.array([p]), model, sched, start_delay_ms=start_delay_ms)[
-                    0
-                ]
-                for p in prompts
+                estimate_ttft_ms(
+                    state,
+                    np.array([p]),
+                    model,
+                    sched,
+                    start_delay_ms=start_delay_ms,
+                    hit_tokens=np.array([h]),
+                )[0]
+                for p, h in zip(prompts.tolist(), hits.tolist(), strict=True)
             ]
         )
+    ok = servable(prompts, sched)
+    if not ok.all():
+        out = np.full(prompts.size, UNSERVABLE_MS)
+        if ok.any():
+            out[ok] = standalone_ttft_ms(
+                state, prompts[ok], model, sched, start_delay_ms=start_delay_ms,
+                hit_tokens=hits[ok],
+            )  # fmt: skip
+        return out
     P = np.maximum(prompts, 1)
-    hit = np.minimum(sched.shared_prefix_tokens, P - 1) if sched.shared_prefix_tokens else 0 * P
+    hit = np.minimum(np.maximum(hits, sched.shared_prefix_tokens), P - 1)
     need = P - hit
     budget = sched.chunk_size_tokens if sched.policy == "sarathi" else sched.max_num_batched_tokens
     bs = sched.block_size_tokens
     first_blocks = -(-(hit + np.minimum(need, budget)) // bs)
+    # a prompt completes its prefill only where the cache has room for all of it: admitted
+    # earlier, vLLM preempts it (the latest request) when its later chunks find no blocks
+    room_blocks = -(-(P + 1) // bs)
     own_ms = (
         model.c1_ms_per_token * need
         + model.c3_ms_per_attn_unit
@@ -198,7 +316,7 @@ def standalone_ttft_ms(
     free: list[float] = []  # KV blocks free for a new request; -1: cannot admit at all
     t = float(start_delay_ms)
     need_max = int(need.max())
-    min_blocks = int(first_blocks.min())
+    min_blocks = int(room_blocks.min())
     started = False
     got = 0
     while True:
@@ -247,10 +365,9 @@ def standalone_ttft_ms(
     fr = np.asarray(free)
     C = np.concatenate([[0.0], np.cumsum(kk * bb)])
     # first segment where each candidate can be admitted
-    ok = fr[None, :] >= first_blocks[:, None]
-    # Candidates whose first chunk finds no room in the residents-only timeline (the scan
-    # stopped once the smallest could start): simulate each exactly. Never an exception:
-    # a router must get an answer for every pair, and "never" is a valid one.
+    ok = fr[None, :] >= room_blocks[:, None]
+    # Candidates that find no room in the scanned residents-only timeline (the scan stopped
+    # once the smallest could start and all had their tokens): simulate each exactly.
     stuck = np.flatnonzero(~ok.any(axis=1))
     i0 = ok.argmax(axis=1)
     target = C[i0] + need
@@ -266,32 +383,27 @@ def standalone_ttft_ms(
     )
     out = np.asarray(resident_ms + own_ms, dtype=np.float64)
     for i in stuck:
-        out[i] = _exact_or_unservable(
-            state, int(P[i]), int(first_blocks[i]), model, sched, start_delay_ms
-        )
+        out[i] = _exact(state, int(P[i]), int(hit[i]), model, sched, start_delay_ms)
     return out
 
 
-UNSERVABLE_MS = 1e9  # finite "never": a prompt this instance's KV cache can never hold
-
-
-def _exact_or_unservable(
+def _exact(
     state: InstanceState,
     prompt: int,
-    first_blocks: int,
+    hit: int,
     model: StepTimeModel,
     sched: SchedulerConfig,
     start_delay_ms: float,
 ) -> float:
-    """One candidate through the full FCFS simulation; ``UNSERVABLE_MS`` if it cannot fit."""
-    if first_blocks > sched.kv_blocks:
-        return UNSERVABLE_MS
-    try:
-        got = estimate_ttft_ms(
-            state, np.array([prompt], dtype=np.int64), model, sched, start_delay_ms=start_delay_ms
-        )
-    except (ValueError, RuntimeError):
-        return UNSERVABLE_MS
+    """One (servable) candidate through the full FCFS simulation."""
+    got = estimate_ttft_ms(
+        state,
+        np.array([prompt], dtype=np.int64),
+        model,
+        sched,
+        start_delay_ms=start_delay_ms,
+        hit_tokens=np.array([hit], dtype=np.int64),
+    )
     return float(got[0])
 
 

@@ -61,6 +61,14 @@ class ModelSpec(BaseModel):
     # request must fit in it. None: not known (no length check against the model).
     max_model_len: int | None = Field(default=None, ge=1, le=16_777_216)
 
+    def context_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can hold on an instance of this
+        model: ``max_model_len`` when known, and never more than the KV cache holds
+        (``scheduler.kv_blocks`` × ``block_size_tokens``; vLLM refuses to start with a
+        ``--max-model-len`` its cache cannot hold, so the smaller of the two is the limit)."""
+        kv = self.scheduler.kv_blocks * self.scheduler.block_size_tokens
+        return kv if self.max_model_len is None else min(self.max_model_len, kv)
+
     def cost_usd(self, prompt_tokens: float, output_tokens: float) -> float:
         return self.input_usd_per_token * prompt_tokens + self.output_usd_per_token * output_tokens
 

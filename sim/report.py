@@ -124,14 +124,16 @@ def plot_panels(
     xlabel: str,
     ylabel: str,
     highlight: Sequence[str] = (),
+    bands: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
 ) -> Path:
-    """Side-by-side curve panels sharing the y axis (e.g. Poisson | MMPP)."""
+    """Side-by-side curve panels sharing the y axis (e.g. Poisson | MMPP); ``bands``
+    (panel -> curve -> half-widths, e.g. a standard deviation) shades ± around curves."""
     fig, axes = plt.subplots(
         1, len(panels), figsize=(5.2 * len(panels), 4.2), sharey=True, squeeze=False
     )
     for ax, (title, (x, curves)) in zip(axes[0], panels.items(), strict=True):
         for name, ys in curves.items():
-            ax.plot(
+            (line,) = ax.plot(
                 list(x),
                 list(ys),
                 marker="o",
@@ -139,6 +141,10 @@ def plot_panels(
                 lw=2.4 if name in highlight else 1.4,
                 label=name,
             )
+            half = (bands or {}).get(title, {}).get(name)
+            if half is not None:
+                y, h = np.asarray(ys, dtype=float), np.asarray(half, dtype=float)
+                ax.fill_between(list(x), y - h, y + h, color=line.get_color(), alpha=0.15, lw=0)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)

@@ -4,6 +4,7 @@ The only package that knows the key layout (``state.keys``); every read-modify-w
 an atomic Lua script (``state/lua/``). See ``state.store.StateStore``.
 """
 
+from state.cluster import StateConfigError
 from state.keys import Keys
 from state.store import (
     NANO_PER_USD,
@@ -31,6 +32,7 @@ __all__ = [
     "RouteIntent",
     "StateStore",
     "StateUnavailable",
+    "StateConfigError",
     "ClaimOutcome",
     "Verdict",
     "period_bounds",

@@ -12,6 +12,7 @@ Money is kept in integer nano-USD: comparisons against a budget are exact.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Awaitable, Mapping, Sequence
@@ -23,10 +24,17 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import InstanceSnapshot, ResidentRequest
+from state.cluster import (
+    StateConfigError,
+    check_cluster,
+    check_single,
+    cluster_client,
+    is_cluster_url,
+)
 from state.keys import Keys, dedupe_bucket
 
 T = TypeVar("T")
@@ -232,6 +240,12 @@ def _opt_int(value: str | None) -> int | None:
         return None
 
 
+def is_cluster_client(client: Any) -> bool:
+    from redis.asyncio.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
+
+
 class StateStore:
     """Async access to Switchyard's Redis state; one per process, safe to share across tasks."""
 
@@ -240,6 +254,9 @@ class StateStore:
         self.keys = keys
         self.display_url = display_url
         self._snap_cache: dict[str, dict[str, tuple[str, ResidentRequest]]] = {}
+        # redis-py's cluster client raises MaxConnectionsError where the single-node blocking
+        # pool waits: at most this many calls in flight (one connection per node each)
+        self._gate: asyncio.Semaphore | None = None
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(
                 resources.files("state").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
@@ -275,21 +292,45 @@ class StateStore:
         if password is not None:
             kwargs["password"] = password
         if tls_ca_file:
-            if not url.startswith("rediss://"):
+            if not url.startswith(("rediss://", "rediss+cluster://")):
                 raise ValueError(f"a Redis TLS CA file needs a rediss:// URL, got {display}")
             kwargs["ssl_ca_certs"] = tls_ca_file
+        if is_cluster_url(url):  # see state/cluster.py: every slot served, or an error at start
+            client = cluster_client(url, kwargs)
+            store = cls(client, Keys(namespace), display)
+            store._gate = asyncio.Semaphore(max_connections)
+            try:
+                await store._call("connect", client.initialize())
+                await store._call("connect", check_cluster(client, display))
+            except BaseException as exc:
+                await client.aclose()
+                unreachable = (RedisConnectionError, RedisTimeoutError, OSError)
+                if isinstance(exc.__cause__, unreachable):
+                    raise StateUnavailable(
+                        f"Redis Cluster at {display} unavailable during connect: {exc}"
+                    ) from exc
+                if isinstance(exc, RedisClusterException | RedisError) and not isinstance(
+                    exc, unreachable
+                ):  # e.g. "Cluster mode is not enabled on this node"
+                    raise StateConfigError(f"Redis Cluster at {display}: {exc}") from exc
+                raise
+            return store
         pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
         client = aioredis.Redis(connection_pool=pool)
         store = cls(client, Keys(namespace), display)
         try:
             await store._call("connect", client.ping())
+            await store._call("connect", check_single(client, display))
         except BaseException:
             await client.aclose(close_connection_pool=True)
             raise
         return store
 
     async def close(self) -> None:
-        await self._r.aclose(close_connection_pool=True)
+        if is_cluster_client(self._r):
+            await self._r.aclose()
+        else:
+            await self._r.aclose(close_connection_pool=True)
 
     async def ping(self) -> bool:
         try:
@@ -299,6 +340,9 @@ class StateStore:
 
     async def _call(self, op: str, awaitable: Awaitable[T]) -> T:
         try:
+            if self._gate is not None:
+                async with self._gate:
+                    return await awaitable
             return await awaitable
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise StateUnavailable(
@@ -314,7 +358,9 @@ class StateStore:
         for attempt in (0, 1):
             pipe: Pipeline = self._r.pipeline(transaction=False)
             for keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                # execute_command, not evalsha(): redis-py's cluster pipeline blocks the
+                # helper but routes the raw command by its first key's slot
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             try:
                 return cast(list[Any], await self._call(name, pipe.execute()))
             except NoScriptError:
@@ -882,7 +928,7 @@ class StateStore:
         pipe: Pipeline = self._r.pipeline(transaction=False)
         pipe.set(k.result(query_id), str(cost_nano), nx=True, px=ttl_ms)
         for name, keys, args in calls:
-            pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
         replies = await self._call("finish", pipe.execute(raise_on_error=False))
         for n, (name, keys, args) in enumerate(calls, start=1):
             if isinstance(replies[n], NoScriptError):  # Redis restarted: load and run just this one

@@ -325,7 +325,7 @@ def create_app(
         value_serializer="raw",
         key_serializer="raw",
         topic_partitions=partitions,
-        topic_replication_factor=1,
+        topic_replication_factor=settings.kafka_replication_factor,
         broker_commit_interval=commit_interval_s,
         producer_acks=-1,
         producer_linger_ms=1,

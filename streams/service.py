@@ -65,6 +65,10 @@ from wiring import topics
 log = logging.getLogger("switchyard.router")
 
 _PLACED = (DecisionStatus.ROUTED, DecisionStatus.OVER_BUDGET)
+# a window that fails for a reason of its own (not Redis or Kafka being away) is retried this
+# many times in all; then each of its inputs is tried alone, and one that fails alone too is
+# dead-lettered with the stage that failed (and answered): never a crash loop at one offset
+WINDOW_TRIES = 3
 
 
 class Sink(Protocol):
@@ -186,6 +190,8 @@ class RouterService:
         self._blind = BlindLedger(config.blind_budget_fraction)
         self._blind_logged = False
         self._ledger_guard = ledger_guard  # None: trust the ledger in Redis as it is
+        self._stage = "validate"  # the window's stage now (named when it fails)
+        self._tries: dict[tuple[str, int, int], int] = {}  # input -> failed windows it was in
 
     # ------------------------------------------------------------------ entry points
 
@@ -250,6 +256,7 @@ class RouterService:
         self._retry, self._held = [], []
         batch_items = retry + items
         outcome = WindowOutcome()
+        self._stage = "validate"
         try:
             outs: list[tuple[str, bytes, bytes]] = []
             routed_marks: dict[str, str] = {}
@@ -289,7 +296,9 @@ class RouterService:
                     await self._route(
                         candidates, outs, outcome, routed_marks, latencies, still_held, blind
                     )
+            self._stage = "produce"
             await self._produce(outs)
+            self._stage = "commit"
             shas = {p.query.id: p.sha for p in candidates if p.query.id in routed_marks}
             if blind:
                 self._blind.routed(routed_marks, shas)
@@ -307,23 +316,23 @@ class RouterService:
                 self._blind_logged = False
         except Exception as exc:
             kind = type(exc).__name__
+            stage = self._stage
             self.metrics.errors.labels(kind).inc()
             if not _transient(exc):
-                # a bug or a configuration the router cannot work with: answer, never loop
-                log.exception(
-                    "window of %d queries failed for good: %s", len(batch_items) + len(held), exc
-                )
+                # this window's own failure (a bug, an input some stage chokes on): retried a
+                # bounded number of times, then its inputs one by one (``_isolate``)
                 failed = batch_items + [p.inbound for p in held]
-                try:
-                    await self._fail(failed, f"router error ({kind}): {exc}")
-                except Exception as exc2:  # noqa: BLE001 - producing failed too: retry the window
-                    log.warning("could not publish the failure of a window: %s", exc2)
-                else:
-                    for it in failed:
-                        if it not in items:
-                            self._on_done(it)
-                    self.metrics.held.set(self.held_count)
-                    return WindowOutcome(dead_letters=len(failed)), []
+                tries = 0
+                for it in failed:
+                    key = _input_key(it)
+                    self._tries[key] = self._tries.get(key, 0) + 1
+                    tries = max(tries, self._tries[key])
+                log.exception(
+                    "window of %d queries failed at stage %s (try %d of %d): %s",
+                    len(failed), stage, tries, WINDOW_TRIES, exc,
+                )  # fmt: skip
+                if tries >= WINDOW_TRIES:
+                    return await self._isolate(failed, items, stage, f"{kind}: {exc}")
             log.warning(
                 "window of %d queries will be retried: %s: %s",
                 len(batch_items) + len(held),
@@ -336,6 +345,9 @@ class RouterService:
             await asyncio.sleep(min(1.0, self.config.window_s * 4))
             return WindowOutcome(held=len(batch_items) + len(held)), list(items)
 
+        if self._tries:
+            for it in batch_items + [p.inbound for p in held]:
+                self._tries.pop(_input_key(it), None)
         now = time.time()
         for inbound in latencies:
             if inbound.timestamp_s:
@@ -352,6 +364,56 @@ class RouterService:
         self.metrics.held.set(self.held_count)
         self.metrics.window_seconds.observe(time.perf_counter() - t_start)
         return outcome, unfinished
+
+    async def _isolate(
+        self, failed: list[Inbound], items: list[Inbound], stage: str, why: str
+    ) -> tuple[WindowOutcome, list[Inbound]]:
+        """After ``WINDOW_TRIES`` failed windows: each input alone in a window of its own. One
+        that fails alone as well is the poison: dead-lettered with the stage, and answered
+        with an error Result (``_fail``); the others are routed (or held) as usual.
+
+        Returns, like ``_window``, the outcome and the inputs of ``items`` left unfinished;
+        inputs of earlier calls are reported through ``on_done`` once finished.
+        """
+        mine = {id(it) for it in items}
+        total = WindowOutcome()
+        unfinished: list[Inbound] = []
+        held: list[Pending] = []
+        retry: list[Inbound] = []
+        for it in failed:
+            self._held, self._retry = [], []
+            if len(failed) == 1 or self._tries.get(_input_key(it), 0) > WINDOW_TRIES:
+                reason = (
+                    f"router stage {stage} failed {WINDOW_TRIES} times on a window holding "
+                    f"this message, and again on it alone: {why}"
+                )
+                try:
+                    await self._fail([it], reason[:4000], stage)
+                except Exception as exc:  # noqa: BLE001 - cannot even answer: retry it later
+                    log.warning("could not dead-letter a failing message: %s", exc)
+                    retry.append(it)
+                    if id(it) in mine:
+                        unfinished.append(it)
+                    continue
+                self._tries.pop(_input_key(it), None)
+                total.dead_letters += 1
+                if id(it) not in mine:
+                    self._on_done(it)
+                continue
+            self._tries[_input_key(it)] = WINDOW_TRIES  # alone now: one more failure ends it
+            outcome, left = await self._window([it])
+            held += self._held
+            retry += self._retry
+            for name in ("routed", "held", "dead_letters", "final_errors", "resent"):
+                setattr(total, name, getattr(total, name) + getattr(outcome, name))
+            total.dropped_duplicates += outcome.dropped_duplicates
+            if left and id(it) in mine:
+                unfinished.append(it)
+            elif not left and id(it) not in mine:
+                self._on_done(it)
+        self._held, self._retry = held, retry
+        self.metrics.held.set(self.held_count)
+        return total, unfinished
 
     async def _validate_and_dedupe(
         self,
@@ -396,6 +458,7 @@ class RouterService:
             valid.append(Pending(query, raw, it, now, sha=hashlib.sha256(raw).hexdigest()))
         if not valid:
             return []
+        self._stage = "dedupe"
         if blind:  # only what this process finished itself (BlindLedger docstring)
             verdicts = [(self._blind.verdict(p.query.id, p.sha), "-") for p in valid]
         else:
@@ -470,6 +533,7 @@ class RouterService:
         blind: bool = False,
     ) -> None:
         now = time.time()
+        self._stage = "decide"
         if blind:
             views, excluded = self._blind.views(self.cluster, now), list[str]()
         else:
@@ -538,6 +602,7 @@ class RouterService:
             decisions = [_deferred(q, reason, now) for q in queries]
 
         # reserve budget per tenant, then capacity per instance, each one atomic call
+        self._stage = "reserve"
         placed = [
             (p, d)
             for p, d in zip(candidates, decisions, strict=True)
@@ -627,13 +692,13 @@ class RouterService:
             # while blind a short budget is the blind allowance's: wait for Redis like for slots
             paced = "budget" in reason.lower() and not blind
             limit_s = self.config.budget_hold_s if paced else self.config.max_hold_s
-            if now - p.first_seen_s < limit_s:
+            final = status == DecisionStatus.REJECTED  # e.g. longer than every model's context
+            if not final and now - p.first_seen_s < limit_s:
                 self._hold_quietly(p, outs, now, reason, d, pid)
                 still_held.append(p)
                 continue
-            self._give_up(
-                p, d, status, f"gave up after {limit_s:g} s: {reason}", now, pid, outs, routed_marks
-            )
+            why = reason if final else f"gave up after {limit_s:g} s: {reason}"
+            self._give_up(p, d, status, why, now, pid, outs, routed_marks)
             outcome.final_errors += 1
         if intents and not blind:
             # before anything is produced: a successor re-sends these rather than re-deciding
@@ -764,15 +829,19 @@ class RouterService:
         futures = [await self.sink.send(topic, key, value) for topic, key, value in outs]
         await asyncio.gather(*futures)
 
-    async def _fail(self, failed: list[Inbound], reason: str) -> None:
-        """Dead-letter every input of a window that cannot be routed, and answer each query."""
+    async def _fail(self, failed: list[Inbound], reason: str, stage: str = "route") -> None:
+        """Dead-letter inputs that cannot be routed (naming the stage), and answer each query
+        with an error Result, except after the ``commit`` stage: its route message is out
+        already and its worker answers it."""
         now = time.time()
         outs: list[tuple[str, bytes, bytes]] = []
         for it in failed:
-            self._dead_letter(outs, it, reason, "route", now)
+            self._dead_letter(outs, it, reason, stage, now)
+            if stage == "commit":
+                continue
             try:
                 q = parse_query(it.raw, self.config.limits)
-            except BadMessage:
+            except Exception:  # noqa: BLE001 - no query to answer (or parsing is the poison)
                 continue
             result = Result(
                 query_id=q.id,
@@ -828,18 +897,35 @@ class RouterService:
         )
 
 
+def _input_key(it: Inbound) -> tuple[str, int, int]:
+    return (it.topic, it.partition, it.offset)
+
+
 def _query_key_in(it: Inbound, keys: set[bytes]) -> bool:
     key = getattr(getattr(it.handle, "message", None), "key", None)
     return isinstance(key, bytes) and key in keys
 
 
+# Kafka errors about one record, which no retry fixes (every other Kafka error, a timeout
+# or an unknown producer id after a broker restart included, is the broker being away)
+_RECORD_ERRORS = frozenset(
+    {"MessageSizeTooLargeError", "RecordTooLargeError", "CorruptRecordException",
+     "InvalidTopicError", "RecordListTooLargeError"}
+)  # fmt: skip
+
+
 def _transient(exc: BaseException) -> bool:
-    """Errors that go away by themselves (Redis or Kafka unreachable, timeouts)."""
+    """Errors that go away by themselves (Redis or Kafka unreachable, timeouts); not an
+    error of this window's own, such as a record Kafka will never take."""
     if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError, ConnectionError)):
         return True
     name = type(exc).__name__
     module = type(exc).__module__
-    return name == "StateUnavailable" or module.startswith(("aiokafka", "kafka", "redis"))
+    if name == "StateUnavailable" or module.startswith("redis"):
+        return True
+    if module.startswith(("aiokafka", "kafka")):
+        return name not in _RECORD_ERRORS
+    return False
 
 
 def _state_error(exc: BaseException) -> bool:

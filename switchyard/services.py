@@ -323,22 +323,28 @@ def base64_uuid() -> str:
 def kafka_ready(bootstrap: str, timeout_s: float = 5.0, cluster_id: str | None = None) -> bool:
     """A real metadata round trip through aiokafka; with ``cluster_id``, only our broker counts
     (another broker that won a race for the same port must not pass for ours)."""
+    info = describe_kafka_cluster(bootstrap, timeout_s)
+    return info is not None and (cluster_id is None or info.get("cluster_id") == cluster_id)
+
+
+def describe_kafka_cluster(bootstrap: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """The admin client's ``describe_cluster`` (cluster id, brokers), None if none answers."""
     import logging
 
     from aiokafka.admin import AIOKafkaAdminClient
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
-    async def probe() -> bool:
+    async def probe() -> dict[str, Any] | None:
         admin = AIOKafkaAdminClient(
             bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000)
         )
         try:
             await asyncio.wait_for(admin.start(), timeout_s)
-            info = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
-            return cluster_id is None or info.get("cluster_id") == cluster_id
+            info: dict[str, Any] = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
+            return info
         except Exception:
-            return False
+            return None
         finally:
             try:
                 await admin.close()

@@ -2,6 +2,10 @@
 
 ``python -m switchyard.testrun -- pytest …`` — used by ``make test``. The command sees
 ``SWITCHYARD_KAFKA`` and ``SWITCHYARD_REDIS``; its exit code is returned.
+
+``python -m switchyard.testrun --clusters -- pytest …`` — used by ``make test-cluster``:
+a 3-broker KRaft Kafka and a 3-primary Redis Cluster (one replica each) instead, with
+``SWITCHYARD_KAFKA_REPLICATION_FACTOR=3`` and ``SWITCHYARD_CLUSTER_TESTS=1``; all stopped after.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from switchyard import services
 
 def main(argv: list[str]) -> int:
     if "--" in argv:
+        if "--clusters" in argv[: argv.index("--")]:
+            return run_on_clusters(argv[argv.index("--") + 1 :])
         argv = argv[argv.index("--") + 1 :]
     if not argv:
         print("usage: python -m switchyard.testrun -- COMMAND …", file=sys.stderr)
@@ -43,6 +49,37 @@ def main(argv: list[str]) -> int:
         print(
             f"services: stopped {', '.join(started) or 'nothing'} (started by this run)", flush=True
         )
+
+
+def run_on_clusters(argv: list[str]) -> int:
+    from switchyard import clusters
+
+    if not argv:
+        print("usage: python -m switchyard.testrun --clusters -- COMMAND …", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    try:
+        redis = clusters.redis_cluster_up(3, replicas=1)
+        kafka = clusters.kafka_cluster_up(3)
+    except services.ServiceError as exc:
+        print(f"error: could not start the clusters: {exc}", file=sys.stderr)
+        clusters.down()
+        return 1
+    env = dict(os.environ, SWITCHYARD_CLUSTER_TESTS="1")
+    for line in clusters.env_lines():
+        key, _, value = line.partition("=")
+        env[key] = value
+    print(
+        f"clusters: Kafka {kafka[0].version} x{len(kafka)} at {env['SWITCHYARD_KAFKA']}, "
+        f"Redis Cluster {redis[0].version} x{len(redis)} at {env['SWITCHYARD_REDIS']}, "
+        f"up in {time.monotonic() - t0:.1f} s",
+        flush=True,
+    )
+    try:
+        return subprocess.call(argv, env=env)
+    finally:
+        stopped = clusters.down()
+        print(f"clusters: stopped {', '.join(stopped)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,31 @@ async def test_existing_topics_are_not_waited_for(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("aiokafka.admin.AIOKafkaAdminClient", lambda **_kw: held)
     assert await kafka_admin.ensure_topics({}, ["queries"]) == []
     assert held.described == 0
+
+
+@pytest.mark.integration
+async def test_replication_above_the_broker_count_is_an_error_naming_it(
+    kafka_bootstrap: str,
+) -> None:
+    """The single test broker cannot hold 3 replicas: an error at start, no topic created."""
+    import uuid
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    name = f"t-rf3-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(
+        kafka_admin.TopicSettingsError, match=r"needs at least 3 Kafka brokers.*lists 1"
+    ):
+        await kafka_admin.ensure_topics(
+            {"bootstrap_servers": kafka_bootstrap}, [name], replication_factor=3
+        )
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        assert name not in await admin.list_topics()
+    finally:
+        await admin.close()
+    with pytest.raises(kafka_admin.TopicSettingsError, match="exceeds the replication factor"):
+        await kafka_admin.ensure_topics(
+            {"bootstrap_servers": kafka_bootstrap}, [name], min_insync_replicas=2
+        )

@@ -83,7 +83,9 @@ class SwitchyardClient:
             if self._producer is not None:
                 return
             kw = self.settings.kafka_kwargs(client_id=self.client_id)
-            await kafka_admin.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
+            await kafka_admin.ensure_topics(
+                kw, [topics.QUERIES, topics.RESULTS], **self.settings.topic_kwargs()
+            )
             consumer = AIOKafkaConsumer(
                 **kw, enable_auto_commit=False, isolation_level="read_committed"
             )

@@ -21,8 +21,14 @@ async def ensure_topics(
     partitions: int = 1,
     replication_factor: int = 1,
     visible_timeout_s: float = 15.0,
+    min_insync_replicas: int | None = None,
 ) -> list[str]:
     """Create each topic in ``names`` that does not exist yet; return the ones created.
+
+    ``replication_factor`` and ``min_insync_replicas`` (``Settings.topic_kwargs()``): a
+    cluster with fewer brokers than the replication factor, or an existing topic with fewer
+    replicas than asked for, raises ``TopicSettingsError`` naming it — never a quiet topic of
+    one replica. Created topics get ``min.insync.replicas`` (default ``min(2, replication)``).
 
     Returns once the broker's metadata lists the created topics' partitions with a leader
     (at most ``visible_timeout_s``, then it logs a warning), so a consumer that subscribes
@@ -34,17 +40,30 @@ async def ensure_topics(
     from aiokafka.errors import TopicAlreadyExistsError
 
     wanted = list(dict.fromkeys(names))
+    isr = min_insync_replicas or min(2, replication_factor)
+    if isr > replication_factor:
+        raise TopicSettingsError(
+            f"min.insync.replicas {isr} exceeds the replication factor {replication_factor}"
+        )
     admin = AIOKafkaAdminClient(**dict(kafka_kwargs))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
         missing = [n for n in wanted if n not in existing]
+        if replication_factor > 1:
+            await _check_replication(admin, kafka_kwargs, wanted, missing, replication_factor)
         if not missing:
             return []
+        configs = {"min.insync.replicas": str(isr)} if replication_factor > 1 else {}
         try:
             await admin.create_topics(
                 [
-                    NewTopic(n, num_partitions=partitions, replication_factor=replication_factor)
+                    NewTopic(
+                        n,
+                        num_partitions=partitions,
+                        replication_factor=replication_factor,
+                        topic_configs=configs,
+                    )
                     for n in missing
                 ]
             )
@@ -54,6 +73,42 @@ async def ensure_topics(
         return missing
     finally:
         await admin.close()
+
+
+class TopicSettingsError(RuntimeError):
+    """The cluster cannot hold the topics as configured (too few brokers or replicas)."""
+
+
+async def _check_replication(
+    admin: Any,
+    kafka_kwargs: Mapping[str, Any],
+    wanted: list[str],
+    missing: list[str],
+    replication_factor: int,
+) -> None:
+    """Raise ``TopicSettingsError`` when the cluster has fewer brokers than
+    ``replication_factor`` or an existing topic of ``wanted`` has fewer replicas."""
+    where = kafka_kwargs.get("bootstrap_servers", "?")
+    brokers = (await admin.describe_cluster()).get("brokers", [])
+    if len(brokers) < replication_factor:
+        raise TopicSettingsError(
+            f"replication factor {replication_factor} needs at least {replication_factor} "
+            f"Kafka brokers; the cluster at {where} lists {len(brokers)} "
+            "(set SWITCHYARD_KAFKA_REPLICATION_FACTOR or add brokers)"
+        )
+    present = [n for n in wanted if n not in missing]
+    if not present:
+        return
+    short = []
+    for t in await admin.describe_topics(present):
+        replicas = min((len(p.get("replicas", [])) for p in t.get("partitions", [])), default=0)
+        if t.get("error_code") == 0 and replicas < replication_factor:
+            short.append(f"{t['topic']} ({replicas})")
+    if short:
+        raise TopicSettingsError(
+            f"topics with fewer replicas than the replication factor {replication_factor} at "
+            f"{where}: {', '.join(short)}; reassign their partitions or recreate them"
+        )
 
 
 async def _until_visible(admin: Any, names: list[str], timeout_s: float) -> None:

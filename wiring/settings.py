@@ -16,7 +16,10 @@ SWITCHYARD_KAFKA_SASL_MECHANISM     PLAIN, SCRAM-SHA-256, SCRAM-SHA-512         
 SWITCHYARD_KAFKA_SASL_USERNAME      SASL user                                   (none)
 SWITCHYARD_KAFKA_SASL_PASSWORD      SASL password (secret)                      (none)
 SWITCHYARD_KAFKA_SSL_CAFILE         CA bundle for the broker's certificate      system CAs
-SWITCHYARD_REDIS                    redis:// or rediss:// URL                   redis://127.0.0.1:16379/0
+SWITCHYARD_KAFKA_REPLICATION_FACTOR replicas of each topic Switchyard creates   1
+SWITCHYARD_KAFKA_MIN_INSYNC_REPLICAS  ``min.insync.replicas`` of those topics   min(2, replication)
+SWITCHYARD_REDIS                    redis://, rediss:// URL; a Redis Cluster:   redis://127.0.0.1:16379/0
+                                    redis+cluster://h1:p1,h2:p2 (rediss+cluster)
 SWITCHYARD_REDIS_PASSWORD           Redis AUTH password (secret)                (none)
 SWITCHYARD_REDIS_TLS_CA             CA bundle for a rediss:// server            system CAs
 SWITCHYARD_NAMESPACE                Redis key prefix (several deployments)      sy
@@ -38,6 +41,7 @@ SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 DEFAULT_KAFKA = "127.0.0.1:19092"
 DEFAULT_REDIS = "redis://127.0.0.1:16379/0"
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 _ENV: dict[str, str] = {
     "kafka": "SWITCHYARD_KAFKA",
@@ -46,6 +50,8 @@ _ENV: dict[str, str] = {
     "kafka_sasl_username": "SWITCHYARD_KAFKA_SASL_USERNAME",
     "kafka_sasl_password": "SWITCHYARD_KAFKA_SASL_PASSWORD",
     "kafka_ssl_cafile": "SWITCHYARD_KAFKA_SSL_CAFILE",
+    "kafka_replication_factor": "SWITCHYARD_KAFKA_REPLICATION_FACTOR",
+    "kafka_min_insync_replicas": "SWITCHYARD_KAFKA_MIN_INSYNC_REPLICAS",
     "redis": "SWITCHYARD_REDIS",
     "redis_password": "SWITCHYARD_REDIS_PASSWORD",
     "redis_tls_ca_file": "SWITCHYARD_REDIS_TLS_CA",
@@ -68,6 +74,8 @@ class Settings(BaseModel):
     kafka_sasl_username: str | None = None
     kafka_sasl_password: SecretStr | None = None
     kafka_ssl_cafile: str | None = None
+    kafka_replication_factor: int = Field(default=1, ge=1, le=32)
+    kafka_min_insync_replicas: int | None = Field(default=None, ge=1, le=32)
     redis: str = DEFAULT_REDIS
     redis_password: SecretStr | None = None
     redis_tls_ca_file: str | None = None
@@ -88,9 +96,23 @@ class Settings(BaseModel):
     @field_validator("redis")
     @classmethod
     def _redis_url(cls, value: str) -> str:
-        if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if urlsplit(value).scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                "must be a redis://, rediss://, unix:// or (a Redis Cluster) "
+                "redis+cluster:// or rediss+cluster:// URL"
+            )
         return value
+
+    @model_validator(mode="after")
+    def _replication(self) -> Settings:
+        isr = self.kafka_min_insync_replicas
+        if isr is not None and isr > self.kafka_replication_factor:
+            raise ValueError(
+                f"{_ENV['kafka_min_insync_replicas']} ({isr}) cannot exceed "
+                f"{_ENV['kafka_replication_factor']} ({self.kafka_replication_factor}): "
+                "no write could ever be acknowledged"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sasl(self) -> Settings:
@@ -165,6 +187,13 @@ class Settings(BaseModel):
                 self.kafka_sasl_password.get_secret_value() if self.kafka_sasl_password else None
             )
         return kw
+
+    def topic_kwargs(self) -> dict[str, int]:
+        """``replication_factor`` and ``min_insync_replicas`` for ``topics.ensure_topics``:
+        with ``acks=all`` producers a write is acknowledged once that many replicas hold it."""
+        rf = self.kafka_replication_factor
+        isr = self.kafka_min_insync_replicas or min(2, rf)
+        return {"replication_factor": rf, "min_insync_replicas": isr}
 
     def faust_broker(self) -> str:
         """Faust broker URL (``kafka://h1:p1;h2:p2``)."""

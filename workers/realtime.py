@@ -111,6 +111,7 @@ class RealtimeEngine:
         instance_id: str = "sim-0",
         model: str = "sim",
         record_steps: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         from sim.engine import SimEngine
 
@@ -119,7 +120,13 @@ class RealtimeEngine:
         self.time_scale = time_scale
         self.tick_s = tick_s
         self.engine: SimEngine = SimEngine(
-            timing, sched, seed, instance_id=instance_id, model=model, record_steps=record_steps
+            timing,
+            sched,
+            seed,
+            instance_id=instance_id,
+            model=model,
+            record_steps=record_steps,
+            max_model_len=max_model_len,
         )
         self._t0_mono = time.monotonic()
         self._t0_wall = time.time()

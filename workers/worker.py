@@ -205,7 +205,9 @@ class Worker:
         kw = self.settings.kafka_kwargs(client_id=f"switchyard-worker-{self.instance_id}")
         kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
         await kafka_admin.ensure_topics(
-            kw, [self.topic, topics.RESULTS, topics.DEAD_LETTERS, topics.STEP_TIMINGS]
+            kw,
+            [self.topic, topics.RESULTS, topics.DEAD_LETTERS, topics.STEP_TIMINGS],
+            **self.settings.topic_kwargs(),
         )
         self._producer = AIOKafkaProducer(
             **kw, acks="all", enable_idempotence=True, linger_ms=5, max_request_size=1_048_576

@@ -11,6 +11,7 @@ from routing.policies.common import (
     Outcome,
     Window,
     decisions,
+    mark_unfit,
     overspend,
     predict_ttft_in_order,
     prepare,
@@ -54,12 +55,15 @@ class SequentialRouter:
         ledger = Ledger(win, budget)
         utility = win.utility(self.robust, self.ctx.lam_per_usd)
         self.begin(win)
+        mark_unfit(win, out)
         for i in range(win.n):
-            room = ledger.room()
+            if win.unfit[i] is not None:
+                continue
+            room = ledger.room() & win.fits[i]
             candidates = room & ledger.affordable(i)
             if not candidates.any():
                 out.reasons[i] = (
-                    "no free slot on any instance"
+                    "no free slot on any instance that can hold it"
                     if not room.any()
                     else "over the window or tenant budget"
                 )

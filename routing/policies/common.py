@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routing.policies.context import DEFAULT_OUTPUT_TOKENS, RouterContext
+from routing.prefix import ColumnPrefix, WindowPrefixes
 from routing.types import Budget, FloatArray, InstanceView, IntArray
 from schemas import Decision, DecisionFlag, DecisionStatus, Query, WindowStats
 
@@ -37,6 +38,13 @@ class Window:
     capacity: IntArray  # [K] free slots (0 where not usable)
     estimate: BoolArray  # [K] TTFT from LPS (no live state)
     stale: BoolArray  # [K]
+    fits: BoolArray  # [n, K] prompt + output cap within the instance's context (and KV cache)
+    unfit: list[str | None]  # [n] why no instance in view can hold the query (None: one can)
+    never_fits: BoolArray  # [n] no model of the cluster can hold it at all: rejected
+    hit_tokens: IntArray  # [n, K] prompt tokens cached on each instance (routing.prefix)
+    warm_parent: IntArray  # [n] earlier query sharing the longest prefix (-1: none)
+    warm_tokens: IntArray  # [n] tokens of that shared prefix
+    prefixes: WindowPrefixes | None = None  # the queries' block hashes (prefix-aware only)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -50,6 +58,22 @@ class Window:
     def utility(self, robust: bool, lam_per_usd: float) -> FloatArray:
         a = self.quality_lower if robust else self.quality_mean
         out: FloatArray = a - lam_per_usd * self.cost_usd if lam_per_usd > 0 else a.copy()
+        return out
+
+    def column_prefix(self, k: int, rows: IntArray, in_order: bool = True) -> ColumnPrefix | None:
+        """The prefix facts of ``rows`` (in order) on instance ``k``, for SFS; None when
+        nothing is cached or shared."""
+        if self.prefixes is None:
+            return None
+        hits = self.hit_tokens[rows, k]
+        shared = self.prefixes.shared_matrix(rows) if in_order and rows.size > 1 else None
+        if not hits.any() and (shared is None or not shared.any()):
+            return None
+        return ColumnPrefix(hits, shared, self.prefixes.block_tokens[rows])
+
+    def columns(self, i: int) -> BoolArray:
+        """Instances that may take query ``i`` at all: usable and able to hold it."""
+        out: BoolArray = self.usable & self.fits[i]
         return out
 
     def ttft_flags(self, k: int) -> list[DecisionFlag]:
@@ -119,6 +143,8 @@ def prepare(
     ttft = ctx.ttft_model
     estimate = np.array([ttft.is_estimate(v) for v in views], dtype=np.bool_)
     stale = np.array([bool(v.stale) for v in views], dtype=np.bool_)
+    fits, unfit, never = context_fits(ctx, queries, prompt, views, usable)
+    prefixes, hits, parent, shared = prefix_hits(ctx, queries, prompt, views, usable)
     return Window(
         queries,
         views,
@@ -132,8 +158,98 @@ def prepare(
         capacity,
         estimate,
         stale,
+        fits,
+        unfit,
+        never,
+        hits,
+        parent,
+        shared,
+        prefixes,
         started,
     )
+
+
+def prefix_hits(
+    ctx: RouterContext,
+    queries: Sequence[Query],
+    prompt: IntArray,
+    views: Sequence[InstanceView],
+    usable: BoolArray,
+) -> tuple[WindowPrefixes | None, IntArray, IntArray, IntArray]:
+    """Each query's prefix-cache hit on each instance, and the earlier query of the window
+    it shares the longest prefix with (``routing.prefix``). Zeros when not prefix-aware."""
+    n, K = len(queries), len(views)
+    hits = np.zeros((n, K), dtype=np.int64)
+    none = np.full(n, -1, dtype=np.int64)
+    if not ctx.prefix_aware or n == 0:
+        return None, hits, none, np.zeros(n, dtype=np.int64)
+    wp = WindowPrefixes.of_queries(queries, prompt)
+    for k, v in enumerate(views):
+        if usable[k] and v.prefix_hashes is not None and v.prefix_hashes.size:
+            hits[:, k] = wp.hit_tokens(v.prefix_hashes)
+    parent, shared = wp.sharing()
+    return wp, hits, parent, shared
+
+
+def context_fits(
+    ctx: RouterContext,
+    queries: Sequence[Query],
+    prompt: IntArray,
+    views: Sequence[InstanceView],
+    usable: BoolArray,
+) -> tuple[BoolArray, list[str | None], BoolArray]:
+    """Which instances can hold each query: prompt + output cap <= the model's context.
+
+    The output cap is the query's own (``max_tokens``), else the model's
+    ``max_output_tokens`` — what the worker sends the engine, which refuses a request
+    whose prompt plus cap exceeds ``max_model_len`` (and no request may outgrow the KV
+    cache: ``ModelSpec.context_tokens``). Returns the ``[n, K]`` mask, a reason per query
+    that fits no instance in view, and which of those fit no model of the cluster at all
+    (rejected: waiting cannot help; the others are deferred until a model that can
+    hold them has a live instance).
+    """
+    n, K = len(queries), len(views)
+    qcap = np.fromiter((q.output_cap_tokens() or 0 for q in queries), np.int64, n)
+    specs = list(ctx.cluster.models)
+    limit_m = np.array([s.context_tokens() for s in specs], dtype=np.int64)
+    default_m = np.array([s.max_output_tokens for s in specs], dtype=np.int64)
+    need_m = prompt[:, None] + np.where(qcap[:, None] > 0, qcap[:, None], default_m[None, :])
+    fits_m = need_m <= limit_m[None, :]
+    index = {s.name: m for m, s in enumerate(specs)}
+    cols = np.array([index.get(v.model, -1) for v in views], dtype=np.int64)
+    fits: BoolArray = np.zeros((n, K), dtype=np.bool_)
+    known = cols >= 0
+    if n and known.any():
+        fits[:, known] = fits_m[:, cols[known]]
+    fits &= usable[None, :]
+    never: BoolArray = np.asarray(~fits_m.any(axis=1), dtype=np.bool_)
+    unfit: list[str | None] = [None] * n
+    for i in np.flatnonzero(~fits.any(axis=1)).tolist() if K else range(n):
+        cap = int(need_m[i].min() - prompt[i]) if qcap[i] == 0 else int(qcap[i])
+        if never[i]:
+            m = int(limit_m.argmax())
+            unfit[i] = (
+                f"prompt of {int(prompt[i])} tokens + output cap of {cap} tokens exceeds the "
+                f"context of every model (largest: {int(limit_m[m])} tokens, {specs[m].name})"
+            )
+        else:
+            names = sorted(specs[m].name for m in np.flatnonzero(fits_m[i]).tolist())
+            unfit[i] = (
+                f"prompt of {int(prompt[i])} tokens + output cap of {cap} tokens fits only "
+                f"model(s) {', '.join(names)}, with no usable live instance in this window"
+            )
+    return fits, unfit, never
+
+
+def mark_unfit(win: Window, out: Outcome) -> None:
+    """Queries no instance in view can hold: rejected when no model of the cluster ever
+    could, else deferred (with the reason either way)."""
+    for i, why in enumerate(win.unfit):
+        if why is None:
+            continue
+        out.reasons[i] = why
+        if win.never_fits[i]:
+            out.status[i] = DecisionStatus.REJECTED
 
 
 def _output_tokens(
@@ -248,7 +364,10 @@ def predict_ttft_in_order(ctx: RouterContext, win: Window, assignment: IntArray)
     for k in np.unique(assignment[assignment >= 0]).tolist():
         rows = np.flatnonzero(assignment == k)
         ttft[rows] = ctx.ttft_model.in_order_ms(
-            win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+            win.views[k],
+            win.prompt_tokens[rows],
+            win.output_tokens[rows, k],
+            win.column_prefix(k, rows),
         )
     return ttft
 
@@ -259,9 +378,11 @@ def overspend(win: Window, out: Outcome, budget: Budget, reason: str) -> None:
         return
     free = win.capacity - np.bincount(out.assignment[out.assignment >= 0], minlength=win.k)
     for i in np.flatnonzero(out.assignment < 0).tolist():
-        room = win.usable & (free > 0)
-        if not room.any():
+        if not (win.usable & (free > 0)).any():
             break
+        room = win.columns(i) & (free > 0)
+        if not room.any():
+            continue  # no instance with a slot can hold this one
         k = int(np.where(room, win.cost_usd[i], np.inf).argmin())
         out.assignment[i] = k
         free[k] -= 1

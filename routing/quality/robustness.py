@@ -25,9 +25,9 @@ single model's cost, and is scored on the *realised* scores. The per-model offse
 cross-fitted (fitted on one half of the calibration queries, scored on the other, and
 vice versa), so the selection never scores offsets on the queries that set them.
 
-A candidate is admissible only if its mean gain over the budgets is positive in at
-least ``1 − alpha`` of paired bootstrap resamples of the calibration queries and at no
-budget does it lose in ``1 − alpha`` of them (no significant loss anywhere); the admissible candidate with the largest mean
+A candidate is admissible only if its mean gain over the budgets is at least
+``min_gain`` and positive in at least ``1 − alpha / (number of candidates)`` of paired
+bootstrap resamples of the calibration queries (Bonferroni), and at no budget does it lose in more than half of them; the admissible candidate with the largest mean
 gain wins, and with none admissible the point estimate is kept. The point estimate is
 thus the default, and robustness must earn its place on data the fit never saw.
 ``recalibrate`` reruns the selection on labelled queries of the traffic actually served
@@ -45,13 +45,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routing.quality.evaluate import lambda_for_budget, route_per_query
 from routing.types import FloatArray
 
 KINDS = ("point", "std", "conformal", "per-model")
 STD_KAPPAS = (0.5, 1.0, 2.0, 4.0)
 BIAS_LEVELS = (0.5, 0.9)
 SELECTION_FRACTIONS = tuple(float(f) for f in np.linspace(0.05, 1.0, 20))
+MIN_MEAN_GAIN = 0.005
+"""A candidate must gain at least 0.5% (relative, averaged over the budgets) on the
+calibration queries: smaller gains are within what a held-out set of ~1,000 queries
+shows as noise, and a robust value that moves decisions for less risks losing there
+(dc9, hybrid features, kNN: +0.2% on calibration, −0.2% AUC on held-out)."""
 MIN_CALIBRATION_QUERIES = 200
 """Below this, differences between candidates are within the noise of a few queries
 (nq6's 80 calibration queries admitted ``std x 2``, which then lost 0.4% at one budget on
@@ -162,11 +166,49 @@ class Selection:
         }
 
 
-def _picks(a: FloatArray, c_hat: FloatArray, budgets_usd: Sequence[float]) -> npt.NDArray[np.int64]:
-    """``[F, N]`` model picked per query at each budget (per-query routing, λ by bisection)."""
-    return np.stack(
-        [route_per_query(a, c_hat, lambda_for_budget(a, c_hat, b)) for b in budgets_usd]
+def _route_many(a: FloatArray, c_hat: FloatArray, lams: FloatArray) -> npt.NDArray[np.int64]:
+    """``route_per_query`` for several λ at once: ``[F, N]`` picks (ties -> cheaper)."""
+    u = a[None] - lams[:, None, None] * c_hat[None]
+    tied = u >= u.max(axis=2, keepdims=True) - 1e-12
+    out: npt.NDArray[np.int64] = np.where(tied, c_hat[None], np.inf).argmin(axis=2)
+    return out
+
+
+def _picks(
+    a: FloatArray, c_hat: FloatArray, budgets_usd: Sequence[float], iters: int = 40
+) -> npt.NDArray[np.int64]:
+    """``[F, N]`` model picked per query at each budget: per-query routing with the
+    smallest λ whose predicted spend fits (``evaluate.lambda_for_budget``), bisected for
+    all budgets at once (one ``[F, N, m]`` evaluation a step instead of F loops)."""
+    rows = np.arange(a.shape[0])
+    # below the cheapest routing no λ fits: route as cheaply as possible (what the
+    # scalar bisection ends at after 200 doublings)
+    cheapest = float(c_hat.min(axis=1).sum()) * (1.0 + 1e-9)
+    b = np.maximum(np.asarray(budgets_usd, dtype=np.float64), cheapest)
+
+    def spend(lams: FloatArray) -> FloatArray:
+        out: FloatArray = c_hat[rows[None, :], _route_many(a, c_hat, lams)].sum(axis=1)
+        return out
+
+    zero = spend(np.zeros(len(b))) <= b
+    positive = c_hat[c_hat > 0]
+    hi = np.full(
+        len(b),
+        (float(np.nanmax(a) - np.nanmin(a)) + 1e-9)
+        / max(float(positive.min()) if positive.size else 1.0, 1e-18),
     )
+    for _ in range(200):
+        over = spend(hi) > b
+        if not over.any():
+            break
+        hi = np.where(over, hi * 2.0, hi)
+    lo = np.zeros(len(b))
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        fits = spend(mid) <= b
+        hi = np.where(fits, mid, hi)
+        lo = np.where(fits, lo, mid)
+    return _route_many(a, c_hat, np.where(zero, 0.0, hi))
 
 
 def _realised(picks: npt.NDArray[np.int64], y: FloatArray) -> FloatArray:
@@ -186,9 +228,10 @@ def select_robustness(
     std_kappas: Sequence[float] = STD_KAPPAS,
     levels: Sequence[float] = BIAS_LEVELS,
     alpha: float = 0.05,
-    n_boot: int = 400,
+    n_boot: int = 1000,
     seed: int = 0,
     min_queries: int = MIN_CALIBRATION_QUERIES,
+    min_gain: float = MIN_MEAN_GAIN,
 ) -> Selection:
     """Choose the robust value on held-out calibration queries (``[N, m]`` arrays).
 
@@ -232,6 +275,10 @@ def select_robustness(
                 (RobustSpec("per-model", kappa=k, level=lvl, offset_per_model=tuple(off)), got)
             )
 
+    # Bonferroni: the best of many candidates looks good by chance alone (dc9, hybrid
+    # features, kNN: a per-model bound at p = 0.047 gained 1.2% on calibration and lost
+    # 0.2% AUC on held-out queries)
+    alpha_each = alpha / len(cands)
     report: list[dict[str, Any]] = [{"label": "point", "mean_gain": 0.0, "admissible": True}]
     chosen, chosen_gain = RobustSpec(), 0.0
     base_q = base.mean(axis=1)  # [F] realised quality per budget
@@ -242,11 +289,12 @@ def select_robustness(
         boot_f = d[:, boot].mean(axis=2)  # [F, n_boot]
         boot_gain = boot_f.mean(axis=0)
         p_not_better = float((boot_gain <= 0).mean())
-        # the worst budget's chance of a real loss: share of resamples where it loses
+        # the worst budget's share of resamples in which the candidate loses there
         p_worse = float((boot_f < 0).mean(axis=1).max())
         worst = float(gain_f.min())
         mean_gain = float(gain_f.mean())
-        ok = p_not_better < alpha and p_worse < 1.0 - alpha and mean_gain > 0
+        # median-resample gain >= 0 at every budget, and a real effect on average
+        ok = p_not_better < alpha_each and p_worse <= 0.5 and mean_gain >= min_gain
         report.append(
             {
                 "label": spec.label(),

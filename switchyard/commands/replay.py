@@ -210,7 +210,9 @@ class ResultCollector:
         from wiring import kafka_admin, topics
 
         kw = self.settings.kafka_kwargs(client_id=self.client_id)
-        await kafka_admin.ensure_topics(kw, [topics.QUERIES, topics.RESULTS])
+        await kafka_admin.ensure_topics(
+            kw, [topics.QUERIES, topics.RESULTS], **self.settings.topic_kwargs()
+        )
         tps = await kafka_admin.partitions(kw, [topics.RESULTS])
         consumer = AIOKafkaConsumer(**kw, enable_auto_commit=False)
         await consumer.start()

@@ -119,7 +119,12 @@ def register(app: typer.Typer) -> None:
         names += [topics.route(i.id) for i in spec.instances]
         try:
             asyncio.run(
-                kafka_admin.ensure_topics(settings.kafka_kwargs(), names, partitions=partitions)
+                kafka_admin.ensure_topics(
+                    settings.kafka_kwargs(),
+                    names,
+                    partitions=partitions,
+                    **settings.topic_kwargs(),
+                )
             )
         except Exception as exc:
             typer.echo(f"error: cannot create topics on Kafka at {settings.kafka}: {exc}", err=True)

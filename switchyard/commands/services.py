@@ -32,15 +32,30 @@ def register(app: typer.Typer) -> None:
             "on a power loss), everysec (up to ~1 s lost on a host crash), or none (no "
             "persistence: the budget ledger is then rebuilt from Kafka after a restart)",
         ),
+        kafka_brokers: int = typer.Option(
+            0, help="N >= 1: a local KRaft cluster of N broker+controller nodes instead of one"
+        ),
+        redis_cluster: int = typer.Option(
+            0, help="N >= 3: a local Redis Cluster of N primaries instead of one redis-server"
+        ),
+        redis_replicas: int = typer.Option(
+            0, help="With --redis-cluster: replicas per primary (1 for failover)"
+        ),
     ) -> None:
         """Start the services (idempotent) and print their addresses as env lines.
 
         Redis keeps an append-only file in its data directory (kept by `down`), so a restart
         finds the budget ledger as it was.
         """
-        from switchyard import services
+        from switchyard import clusters, services
 
         try:
+            if redis and redis_cluster:
+                clusters.redis_cluster_up(redis_cluster, replicas=redis_replicas)
+                redis = False
+            if kafka and kafka_brokers:
+                clusters.kafka_cluster_up(kafka_brokers)
+                kafka = False
             if redis:
                 services.redis_up(
                     port=redis_port or None,
@@ -51,7 +66,7 @@ def register(app: typer.Typer) -> None:
         except services.ServiceError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
-        for line in services.env_lines():
+        for line in [*services.env_lines(), *clusters.env_lines()]:
             typer.echo(line)
 
     @svc.command("down")
@@ -61,21 +76,26 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Stop only the processes `up` started (recorded pids); Redis's data is kept."""
-        from switchyard import services
+        from switchyard import clusters, services
 
-        stopped = services.down(purge=purge)
+        stopped = clusters.down()
+        stopped += services.down(purge=purge)
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
 
     @svc.command("status")
     def status(as_json: bool = typer.Option(False, "--json")) -> None:
         """Each service, its address, version and pid."""
-        from switchyard import services
+        from switchyard import clusters, services
 
         rows = services.status()
+        roles = {r["service"]: r["role"] for r in clusters.status_rows()}
+        for r in rows:
+            if r["service"] in roles:
+                r["role"] = roles[r["service"]]
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return
-        table = Table("service", "address", "version", "pid", "running")
+        table = Table("service", "address", "version", "pid", "running", "role")
         for r in rows:
             table.add_row(
                 r["service"],
@@ -83,6 +103,7 @@ def register(app: typer.Typer) -> None:
                 r["version"],
                 str(r["pid"]),
                 "yes" if r["running"] else "NO",
+                r.get("role", ""),
             )
         if not rows:
             typer.echo("no services started by switchyard")
@@ -92,7 +113,7 @@ def register(app: typer.Typer) -> None:
     @svc.command("env")
     def env() -> None:
         """SWITCHYARD_KAFKA / SWITCHYARD_REDIS lines for the running services."""
-        from switchyard import services
+        from switchyard import clusters, services
 
-        for line in services.env_lines():
+        for line in [*services.env_lines(), *clusters.env_lines()]:
             typer.echo(line)

@@ -29,6 +29,7 @@ PAPER = {
     "robust": "paper B: robust over point +1–14% depending on the estimator",
     "allocation": "paper B: optimised allocation up to +3% over fixed; 177 GPUs instead of 800 to match DeepSeek-Chat",
     "tradeoff": "paper A: δ trades utility against SLO attainment (a curve, no single number)",
+    "prefix": "issue 14 targets: prefix-aware batch-ilp-sfs >= 30% lower TTFT p50 than prefix-agnostic at equal or better quality, higher OnTimeUtility than prefix-affinity",
 }
 
 
@@ -298,7 +299,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("experiment")
     def experiment(
-        name: str = typer.Argument(..., help="ontime | batching | robust | allocation | tradeoff"),
+        name: str = typer.Argument(
+            ..., help="ontime | batching | robust | allocation | tradeoff | prefix"
+        ),
         data: Path = typer.Option(None, help="Routing data (default: vendored llmrouter_dc9)"),
         format: str = typer.Option(None, "--format", help="irt-wide | long | nq-records"),
         models_csv: Path = typer.Option(
@@ -331,6 +334,8 @@ def register(app: typer.Typer) -> None:
             _fail(f"unknown experiment {name!r}; choose one of {', '.join(ex.EXPERIMENTS)}")
         data_path, fmt = _default_data(data, format)
         try:
+            if cluster is None and name == "prefix":
+                cluster = CLUSTERS_DIR / "prefix_dc9.yaml"
             if cluster is None:
                 models = load_routing_data(data_path, fmt, models_csv).models
                 cluster = paper_a_cluster(models) if name in ("ontime", "tradeoff") else None
@@ -338,6 +343,8 @@ def register(app: typer.Typer) -> None:
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             return
+        if name == "prefix" and trace == "azure-conv":
+            trace = "mooncake"  # the trace with prefix block hashes
         trace_path = resolve_trace(trace, shared_data("traces"))
         cmd = "switchyard experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         tag = "" if data is None else f"-{data_path.parent.name}"

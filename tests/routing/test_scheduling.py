@@ -141,7 +141,12 @@ def test_shared_prefix_is_a_cache_hit_at_admission() -> None:
     assert seg2 is not None and seg2.tokens.tolist() == [1]
 
 
-def test_a_request_larger_than_the_kv_cache_is_an_error() -> None:
-    w = wl([1000], [0], [0], [2], kv_blocks=10, block_size_tokens=16, max_num_batched_tokens=1000)
-    with pytest.raises(SchedulingError, match="more than kv_blocks=10"):
-        w.plan()
+def test_a_request_larger_than_the_kv_cache_is_refused_and_outputs_stop_at_the_cache() -> None:
+    with pytest.raises(SchedulingError, match="prompt of 1000 tokens .* KV cache of 160 tokens"):
+        wl([1000], [0], [0], [2], kv_blocks=10, block_size_tokens=16, max_num_batched_tokens=1000)
+    w = wl([100], [0], [0], [2], kv_blocks=10, block_size_tokens=16, max_num_batched_tokens=1000)
+    with pytest.raises(SchedulingError, match="prompt of 160 tokens"):
+        w.append(np.array([160]), np.array([5]))
+    # 159 + 100 > 160: the output stops where the cache is full (vLLM: finish_reason length)
+    w.append(np.array([150]), np.array([100]))
+    assert w.output.tolist() == [2, 10]

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -51,15 +52,18 @@ def body(qid: str) -> bytes:
 
 
 async def read_topic(
-    bootstrap: str, topic: str, since_ms: int, until: Callable[[list[tuple[bytes, bytes]]], bool]
+    bootstrap: str,
+    topic: str | list[str],
+    since_ms: int,
+    until: Callable[[list[tuple[bytes, bytes]]], bool],
 ) -> list[tuple[bytes, bytes]]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        described = await admin.describe_topics([topic])
+        described = await admin.describe_topics([topic] if isinstance(topic, str) else topic)
     finally:
         await admin.close()
-    tps = [TopicPartition(topic, p["partition"]) for t in described for p in t["partitions"]]
+    tps = [TopicPartition(t["topic"], p["partition"]) for t in described for p in t["partitions"]]
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     out: list[tuple[bytes, bytes]] = []
@@ -305,3 +309,140 @@ async def test_a_paused_router_waking_mid_window_does_not_route_again(
     assert all(len(c) == 1 for c in copies.values()), f"routed twice: {copies}"
     held = [q for i in (f"{rid}-a", f"{rid}-b") for q in await store.slots_held(i)]
     assert sorted(held) == sorted(copies)  # the other router's slots: the zombie gave its own back
+
+
+class _Faulty:
+    """Wraps the store, router or sink of a service: ``method`` raises while it sees ``poison``."""
+
+    def __init__(self, inner: object, method: str, poison: str, find: Callable[..., bool]) -> None:
+        self._inner, self._method, self._poison, self._find = inner, method, poison, find
+        self.hits = 0
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._inner, name)
+        if name != self._method:
+            return real
+
+        def check(*a: object, **kw: object) -> None:
+            if self._find(self._poison, *a, **kw):
+                self.hits += 1
+                raise RuntimeError(f"injected fault in {name}")
+
+        if asyncio.iscoroutinefunction(real):
+
+            async def wrapped_async(*a: object, **kw: object) -> object:
+                check(*a, **kw)
+                return await real(*a, **kw)
+
+            return wrapped_async
+
+        def wrapped(*a: object, **kw: object) -> object:
+            check(*a, **kw)
+            return real(*a, **kw)
+
+        return wrapped
+
+
+def _raw_of(letter: bytes) -> str:
+    return DeadLetter.model_validate_json(letter).raw().decode(errors="replace")
+
+
+def _has(poison: str, *a: object, **kw: object) -> bool:
+    return poison in repr(a) + repr(kw)
+
+
+def _routes_it(poison: str, outs: list[tuple[str, bytes, bytes]], *a: object) -> bool:
+    """A record Kafka refuses: only the poison's route message (its dead letter goes out)."""
+    return any(t.startswith("route.") and poison.encode() in v for t, _, v in outs)
+
+
+# stage -> (what is wrapped, the method that raises)
+_STAGES = {
+    "dedupe": ("state", "dedupe_many"),
+    "decide": ("router", "decide"),
+    "reserve": ("state", "reserve_slots"),
+    "produce": ("sink", "send_all"),
+    "commit": ("state", "mark_routed_many"),
+}
+
+
+@pytest.mark.parametrize("stage", ["validate", *_STAGES])
+async def test_a_fault_at_each_stage_is_contained(
+    stage: str, env, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """One poison query in a window of five: the window is retried WINDOW_TRIES times, then
+    each input alone; the poison is dead-lettered with the stage named (and answered, unless
+    its route message was out already), the four others are routed; nothing loops."""
+    import streams.service as service_mod
+
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    svc = make_service(rid, store, producer)
+    since = int(time.time() * 1000)
+    poison = f"{rid}-poison"
+    if stage == "validate":
+        real_parse = service_mod.parse_query
+
+        def parse(raw: bytes, *a: object, **kw: object) -> object:
+            if raw is not None and poison.encode() in raw:
+                raise RuntimeError("injected fault in parse_query")
+            return real_parse(raw, *a, **kw)
+
+        monkeypatch.setattr(service_mod, "parse_query", parse)
+    else:
+        target, method = _STAGES[stage]
+        find = _routes_it if stage == "produce" else _has
+        setattr(svc, target, _Faulty(getattr(svc, target), method, poison, find))
+    qids = [f"{rid}-ok{k}" for k in range(2)] + [poison] + [f"{rid}-ok{k}" for k in range(2, 4)]
+    window = [Inbound(body(q), "queries", 0, 100 + k) for k, q in enumerate(qids)]
+    done: list[Inbound] = []
+    svc._on_done = done.append  # type: ignore[method-assign]
+    outcome, unfinished = await svc.handle(window)
+    calls = 1
+    while svc.held_count and calls < 10:  # the app's retry timer
+        await svc.retry_held()
+        calls += 1
+    assert svc.held_count == 0 and calls <= service_mod.WINDOW_TRIES + 1
+    letters = [
+        DeadLetter.model_validate_json(v)
+        for _, v in await read_topic(
+            kafka_bootstrap,
+            topics.DEAD_LETTERS,
+            since,
+            lambda got: any(poison in _raw_of(v) for _, v in got),
+        )  # fmt: skip
+    ]
+    mine = [d for d in letters if poison in d.raw().decode()]
+    assert [(d.stage, d.offset) for d in mine] == [(stage, 102)], mine
+    assert f"router stage {stage} failed" in mine[0].reason and "injected fault" in mine[0].reason
+    routed: set[str] = set()
+    entries = {q: await store.dedupe_entry(q) for q in qids if q != poison or stage == "commit"}
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        want = sum(
+            1
+            for e in entries.values()
+            if e and iid in (e.routed_to, getattr(e.intent, "instance_id", None))
+        )
+        for _, v in await read_topic(
+            kafka_bootstrap, topics.route(iid), since, lambda got, want=want: len(got) >= want
+        ):
+            routed.add(RoutedQuery.model_validate_json(v).query.id)
+    others = set(qids) - {poison}
+    assert others <= routed
+    assert (poison in routed) == (stage == "commit")  # only a failed commit had produced it
+    results = {
+        json.loads(v)["query_id"]: json.loads(v)
+        for _, v in await read_topic(
+            kafka_bootstrap,
+            topics.RESULTS,
+            since,
+            lambda got: (
+                stage in ("commit", "validate") or any(poison.encode() in k for k, _ in got)
+            ),
+        )  # fmt: skip
+    }
+    if stage not in ("commit", "validate"):
+        assert f"router stage {stage} failed" in results[poison]["error"]
+    else:  # commit: its worker answers it; validate: no query could be read from it
+        assert poison not in results
+    assert not others & set(results)  # the routed ones get no error Result

@@ -40,6 +40,7 @@ class SimBackend:
             instance_id=instance_id,
             model=spec.name,
             record_steps=True,
+            max_model_len=spec.max_model_len,
         )
 
     async def start(self) -> None:
