@@ -21,6 +21,7 @@ POLICY_NAMES = (
     "latency-agnostic",
     "latency-aware",
     "per-query-robust",
+    "prefix-affinity",
     "round-robin",
     "shortest-queue",
 )
