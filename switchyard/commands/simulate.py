@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import typer
 
+from switchyard.commands.router import POLICY_HELP
 from wiring.paths import REPO_ROOT, shared_data, vendored_data
 
 CLUSTERS_DIR = REPO_ROOT / "configs" / "clusters"
@@ -122,7 +123,7 @@ def register(app: typer.Typer) -> None:
             None, help="Per-model prices (default: models.csv beside the data)"
         ),
         policy: list[str] = typer.Option(
-            ["batch-ilp-sfs"], help="Policy name; repeat to compare several"
+            ["batch-ilp-sfs"], help=POLICY_HELP + "; repeat to compare several"
         ),
         predictor: Path = typer.Option(
             None, help="Quality predictor artefact (default: train gbdt on 70% of the data)"
@@ -147,6 +148,9 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0),
         plots: Path = typer.Option(None, help="Write PNG plots into this folder"),
         report: Path = typer.Option(None, help="Write a markdown report to this file"),
+        html: Path = typer.Option(
+            None, help="Write the report as one HTML page with its plots embedded"
+        ),
         feature_cache: bool = typer.Option(
             True,
             help="Predict quality and length of the workload's texts once, up front (same "
@@ -258,6 +262,12 @@ def register(app: typer.Typer) -> None:
             for s in summaries:
                 console.print(f"{s['policy']}: simulated in {s['sim_wall_s']:.1f} s wall")
         pngs: list[Path] = []
+        scratch = None
+        if html is not None and plots is None:  # plots only for the page: a folder removed after
+            import tempfile
+
+            scratch = tempfile.TemporaryDirectory(prefix="switchyard-plots-")
+            plots = Path(scratch.name)
         if plots is not None:
             plots.mkdir(parents=True, exist_ok=True)
             pngs.append(
@@ -276,6 +286,16 @@ def register(app: typer.Typer) -> None:
             )
             report.parent.mkdir(parents=True, exist_ok=True)
             report.write_text(text, encoding="utf-8")
+        if html is not None:
+            cmd = "switchyard simulate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            page = rep.simulate_html(
+                results, title=f"Simulation: {label}", setup=setup, command=cmd, plots=pngs
+            )
+            html.parent.mkdir(parents=True, exist_ok=True)
+            html.write_text(page, encoding="utf-8")
+            console.print(f"wrote {html}")
+        if scratch is not None:
+            scratch.cleanup()
 
     @app.command("experiment")
     def experiment(
