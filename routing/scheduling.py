@@ -10,8 +10,10 @@ Policies (``SchedulerConfig.policy``):
   prompt for a prefill) capped by the budget left (chunked prefill); then waiting requests
   FCFS while budget, ``max_num_seqs`` and KV blocks allow. When the KV cache (``kv_blocks``
   of ``block_size_tokens``) cannot hold the next step, the latest running request is
-  preempted by recompute. A shared prefix of ``shared_prefix_tokens`` is a prefix-cache hit
-  at admission (vLLM always recomputes at least the last prompt token).
+  preempted by recompute. A row's cached prefix (``Workload.hit``: its own prefix-cache
+  hit, at least ``shared_prefix_tokens``) is skipped at admission (vLLM always recomputes
+  at least the last prompt token); the caller (engine or SFS) keeps ``hit`` of waiting rows
+  up to date with its cache.
 * ``sarathi``: Sarathi-Serve: a fixed per-step budget ``chunk_size_tokens``, decodes first,
   then running prefill chunks, then new requests.
 * ``vllm-v0``: prefill-first without chunking: whenever waiting requests fit (whole prompts
@@ -160,7 +162,7 @@ class Workload:
     predicted). Arrays are owned and mutated in place by :meth:`apply`.
     """
 
-    __slots__ = ("prompt", "prefilled", "decoded", "output", "sched", "_budget", "_prefix")
+    __slots__ = ("prompt", "prefilled", "decoded", "output", "hit", "sched", "_budget", "_prefix")
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class Workload:
         )
         self.output = np.maximum(np.minimum(self.output, cap - self.prompt), 1)
         self.decoded = np.minimum(self.decoded, self.output - 1)
+        self.hit = np.zeros_like(self.prompt)  # prefix-cache hit tokens at admission
         self.sched = sched
         if sched.policy not in POLICIES:
             raise SchedulingError(f"unknown scheduling policy {sched.policy!r}; known: {POLICIES}")
@@ -201,12 +204,13 @@ class Workload:
         w.prefilled = self.prefilled.copy()
         w.decoded = self.decoded.copy()
         w.output = self.output.copy()
+        w.hit = self.hit.copy()
         w.sched = self.sched
         w._budget = self._budget
         w._prefix = self._prefix
         return w
 
-    def append(self, prompt: IntArray, output: IntArray) -> None:
+    def append(self, prompt: IntArray, output: IntArray, hit: IntArray | None = None) -> None:
         """Add new waiting requests at the end of the FCFS queue (outputs cut at the KV
         cache: see the module docstring)."""
         cap = kv_capacity_tokens(self.sched)
@@ -216,6 +220,8 @@ class Workload:
         self.prefilled = np.concatenate([self.prefilled, np.zeros_like(p)])
         self.decoded = np.concatenate([self.decoded, np.zeros_like(p)])
         self.output = np.concatenate([self.output, out])
+        h = np.zeros_like(p) if hit is None else np.asarray(hit, dtype=np.int64)
+        self.hit = np.concatenate([self.hit, h])
 
     def remove(self, rows: IntArray) -> None:
         keep = np.ones(self.n, dtype=bool)
@@ -224,6 +230,7 @@ class Workload:
         self.prefilled = self.prefilled[keep]
         self.decoded = self.decoded[keep]
         self.output = self.output[keep]
+        self.hit = self.hit[keep]
 
     def _preempt(self, row: int) -> None:
         # recompute: drop the KV cache; re-prefill prompt + generated tokens, then go on
@@ -282,7 +289,7 @@ class Workload:
         if n_wait and left > 0 and slots > 0 and not preempted:
             w = np.flatnonzero(pre == 0)[:slots]
             pw = prompt[w]
-            hit = np.minimum(self._prefix, pw - 1) if self._prefix else np.zeros_like(pw)
+            hit = np.minimum(np.maximum(self.hit[w], self._prefix), pw - 1)
             nw = pw - hit
             cw = np.cumsum(nw)
             qw = np.minimum(np.maximum(left - (cw - nw), 0), nw)
@@ -364,7 +371,7 @@ class Workload:
         if n_wait and slots > 0:
             w = np.flatnonzero(~running)[:slots]
             pw = prompt[w]
-            hit = np.minimum(self._prefix, pw - 1) if self._prefix else np.zeros_like(pw)
+            hit = np.minimum(np.maximum(self.hit[w], self._prefix), pw - 1)
             nw = pw - hit
             bw = (pw + (bs - 1)) // bs
             fits_kv = np.cumsum(bw) <= sched.kv_blocks - blocks_used

@@ -29,6 +29,8 @@ and re-admitted, exactly as the scheduling model says; every answer is finite.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
@@ -113,6 +115,15 @@ def _default_output(state: InstanceState, k: int) -> IntArray:
     return np.full(k, DEFAULT_OUTPUT_TOKENS, dtype=np.int64)
 
 
+def _hits(name: str, hit_tokens: IntArray | None, k: int) -> IntArray:
+    if hit_tokens is None:
+        return np.zeros(k, dtype=np.int64)
+    h = _as_tokens(name, hit_tokens, 0)
+    if h.size != k:
+        raise ValueError(f"{name} has {h.size} rows, prompt_tokens has {k}")
+    return h
+
+
 def estimate_ttft_ms(
     state: InstanceState,
     prompt_tokens: IntArray,
@@ -121,13 +132,21 @@ def estimate_ttft_ms(
     output_tokens: IntArray | None = None,
     *,
     start_delay_ms: float = 0.0,
+    hit_tokens: IntArray | None = None,
+    shared_tokens: IntArray | None = None,
+    block_tokens: FloatArray | None = None,
 ) -> FloatArray:
     """TTFT (ms from now) of each new query if all are appended FCFS, in this order.
 
     ``output_tokens`` are the new queries' (predicted) output lengths; they matter for the
     queries behind them. Default: the residents' mean prediction, else 128.
     ``start_delay_ms``: time until the instance's in-flight step ends (the snapshot is the
-    state after it).
+    state after it). Prefix cache (``routing.prefix``): ``hit_tokens[i]`` of query i's
+    prompt are cached here already; ``shared_tokens[i, j]`` (j < i) of them it shares with
+    the earlier query j. A prompt is cached as it is prefilled (whole blocks of
+    ``block_tokens[j]``, default 1), so query i, when admitted, also skips what of its
+    shared prefixes the earlier queries have computed by then: the first query warms the
+    cache for the next.
     """
     prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
     k = int(prompts.size)
@@ -140,15 +159,19 @@ def estimate_ttft_ms(
     )
     if outs.size != k:
         raise ValueError(f"output_tokens has {outs.size} rows, prompt_tokens has {k}")
+    hits = _hits("hit_tokens", hit_tokens, k)
     ok = servable(prompts, sched)
     ttft = np.where(ok, np.nan, UNSERVABLE_MS)
     new_rows = np.flatnonzero(ok)  # candidate of each appended row
     w = workload_from_state(state, sched)
     n0 = w.n
-    w.append(prompts[ok], outs[ok])
+    w.append(prompts[ok], outs[ok], hits[ok])
     ids = np.arange(n0 + new_rows.size)
+    warm = _Warming.of(n0, ok, hits, shared_tokens, block_tokens)
     t = float(start_delay_ms)
     while np.isnan(ttft).any():
+        if warm is not None:
+            warm.update(w, ids)
         seg = w.plan()
         if seg is None:  # pragma: no cover - a servable waiting row is always schedulable
             raise RuntimeError("SFS: nothing schedulable while new queries are still waiting")
@@ -162,9 +185,62 @@ def estimate_ttft_ms(
             got = got[np.isnan(ttft[got])]
             ttft[got] = t
         if done.finished.size:
+            if warm is not None:
+                warm.finished(ids[done.finished])
             w.remove(done.finished)
             ids = np.delete(ids, done.finished)
     return ttft
+
+
+@dataclass
+class _Warming:
+    """New queries that share prefixes with earlier new queries (``estimate_ttft_ms``),
+    restricted to the servable ones: row ``a`` of ``shared`` is the a-th appended row."""
+
+    row_id: IntArray  # workload row id of each appended candidate (ids stay sorted)
+    shared: IntArray  # [m, m] tokens of a's prompt that b (< a) shares
+    block: FloatArray  # [m] cache granularity of each candidate's prompt (tokens per block)
+    base: IntArray  # [m] each one's own cache hit
+    progress: FloatArray  # [m] most of each prompt seen computed so far
+
+    @classmethod
+    def of(
+        cls,
+        n0: int,
+        ok: npt.NDArray[np.bool_],
+        hits: IntArray,
+        shared: IntArray | None,
+        block: FloatArray | None,
+    ) -> _Warming | None:
+        if shared is None:
+            return None
+        k = int(ok.size)
+        sh = np.asarray(shared, dtype=np.int64)
+        if sh.shape != (k, k):
+            raise ValueError(f"shared_tokens must have shape {(k, k)}, got {sh.shape}")
+        sh = np.tril(np.maximum(sh, 0), -1)[np.ix_(ok, ok)]
+        if not sh.any():
+            return None
+        bt = np.ones(k) if block is None else np.maximum(np.asarray(block, np.float64), 1.0)
+        m = int(ok.sum())
+        return cls(n0 + np.arange(m), sh, bt[ok], hits[ok], np.zeros(m))
+
+    def update(self, w: Workload, ids: IntArray) -> None:
+        """Waiting candidates get what of their shared prefixes is computed by now."""
+        pos = np.searchsorted(ids, self.row_id)
+        here = (pos < ids.size) & (ids[np.minimum(pos, ids.size - 1)] == self.row_id)
+        pos = np.minimum(pos, ids.size - 1)
+        done = np.where(here, np.minimum(w.prefilled[pos], w.prompt[pos]), 0)
+        self.progress = np.maximum(self.progress, done)
+        cached = np.floor(self.progress / self.block + 1e-9) * self.block  # whole blocks [m]
+        warm = np.minimum(self.shared, cached[None, :]).max(axis=1)
+        hit = np.maximum(self.base, warm.astype(np.int64))
+        waiting = here & (w.prefilled[pos] == 0)
+        w.hit[pos[waiting]] = hit[waiting]
+
+    def finished(self, row_ids: IntArray) -> None:
+        """A candidate that finished had computed its whole prompt."""
+        self.progress = np.where(np.isin(self.row_id, row_ids), np.inf, self.progress)
 
 
 def standalone_ttft_ms(
@@ -174,24 +250,32 @@ def standalone_ttft_ms(
     sched: SchedulerConfig,
     *,
     start_delay_ms: float = 0.0,
+    hit_tokens: IntArray | None = None,
 ) -> FloatArray:
     """TTFT (ms from now) of each candidate if it alone were appended to ``state``.
 
     Vectorised over candidates: one residents-only simulation, then a few array operations
     per candidate. Equals ``estimate_ttft_ms(state, [p], ...)`` for each ``p`` unless the
-    candidate's own KV usage would trigger a preemption.
+    candidate's own KV usage would trigger a preemption. ``hit_tokens[i]``: prompt tokens
+    of candidate i already in this instance's prefix cache (it prefills only the rest).
     """
     prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
     if prompts.size == 0:
         return np.zeros(0)
+    hits = _hits("hit_tokens", hit_tokens, int(prompts.size))
     if sched.policy == "vllm-v0":
         # prefill-first: a new prompt delays the residents, so no shared timeline exists
         return np.array(
             [
-                estimate_ttft_ms(state, np.array([p]), model, sched, start_delay_ms=start_delay_ms)[
-                    0
-                ]
-                for p in prompts
+                estimate_ttft_ms(
+                    state,
+                    np.array([p]),
+                    model,
+                    sched,
+                    start_delay_ms=start_delay_ms,
+                    hit_tokens=np.array([h]),
+                )[0]
+                for p, h in zip(prompts.tolist(), hits.tolist(), strict=True)
             ]
         )
     ok = servable(prompts, sched)
@@ -199,11 +283,12 @@ def standalone_ttft_ms(
         out = np.full(prompts.size, UNSERVABLE_MS)
         if ok.any():
             out[ok] = standalone_ttft_ms(
-                state, prompts[ok], model, sched, start_delay_ms=start_delay_ms
-            )
+                state, prompts[ok], model, sched, start_delay_ms=start_delay_ms,
+                hit_tokens=hits[ok],
+            )  # fmt: skip
         return out
     P = np.maximum(prompts, 1)
-    hit = np.minimum(sched.shared_prefix_tokens, P - 1) if sched.shared_prefix_tokens else 0 * P
+    hit = np.minimum(np.maximum(hits, sched.shared_prefix_tokens), P - 1)
     need = P - hit
     budget = sched.chunk_size_tokens if sched.policy == "sarathi" else sched.max_num_batched_tokens
     bs = sched.block_size_tokens
@@ -281,9 +366,8 @@ def standalone_ttft_ms(
     C = np.concatenate([[0.0], np.cumsum(kk * bb)])
     # first segment where each candidate can be admitted
     ok = fr[None, :] >= room_blocks[:, None]
-    # Candidates whose first chunk finds no room in the residents-only timeline (the scan
-    # stopped once the smallest could start): simulate each exactly. Never an exception:
-    # a router must get an answer for every pair, and "never" is a valid one.
+    # Candidates that find no room in the scanned residents-only timeline (the scan stopped
+    # once the smallest could start and all had their tokens): simulate each exactly.
     stuck = np.flatnonzero(~ok.any(axis=1))
     i0 = ok.argmax(axis=1)
     target = C[i0] + need
@@ -299,29 +383,27 @@ def standalone_ttft_ms(
     )
     out = np.asarray(resident_ms + own_ms, dtype=np.float64)
     for i in stuck:
-        out[i] = _exact_or_unservable(
-            state, int(P[i]), int(first_blocks[i]), model, sched, start_delay_ms
-        )
+        out[i] = _exact(state, int(P[i]), int(hit[i]), model, sched, start_delay_ms)
     return out
 
 
-def _exact_or_unservable(
+def _exact(
     state: InstanceState,
     prompt: int,
-    first_blocks: int,
+    hit: int,
     model: StepTimeModel,
     sched: SchedulerConfig,
     start_delay_ms: float,
 ) -> float:
-    """One candidate through the full FCFS simulation; ``UNSERVABLE_MS`` if it cannot fit."""
-    if first_blocks > sched.kv_blocks:
-        return UNSERVABLE_MS
-    try:
-        got = estimate_ttft_ms(
-            state, np.array([prompt], dtype=np.int64), model, sched, start_delay_ms=start_delay_ms
-        )
-    except (ValueError, RuntimeError):
-        return UNSERVABLE_MS
+    """One (servable) candidate through the full FCFS simulation."""
+    got = estimate_ttft_ms(
+        state,
+        np.array([prompt], dtype=np.int64),
+        model,
+        sched,
+        start_delay_ms=start_delay_ms,
+        hit_tokens=np.array([hit], dtype=np.int64),
+    )
     return float(got[0])
 
 

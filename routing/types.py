@@ -75,6 +75,7 @@ class InstanceView:
 
     ``state`` is None when there is no trustworthy live state (cloud endpoint, stale or
     missing snapshot): routers then use the LPS average case and flag the decision.
+    ``prefix_hashes``: what its prefix cache holds (the router's model of it), for hits.
     """
 
     instance_id: str
@@ -84,6 +85,8 @@ class InstanceView:
     age_s: float = 0.0
     arrival_rate_per_s: float = 0.0  # recent arrivals, for the LPS average case
     stale: bool = False
+    # prefix block hashes the instance's cache holds, sorted (routing.prefix); None: unknown
+    prefix_hashes: npt.NDArray[np.uint64] | None = None
 
 
 @dataclass(frozen=True)

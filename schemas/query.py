@@ -2,7 +2,8 @@
 
 The body accepts the OpenAI completion and chat request fields (``prompt`` or
 ``messages``, ``max_tokens``, ``temperature`` ...) plus the routing fields
-(``id``, ``ttft_slo_ms``, ``tenant``, ``prompt_tokens``, ``created_at``).
+(``id``, ``ttft_slo_ms``, ``tenant``, ``prompt_tokens``, ``created_at``) and, optionally,
+the prompt's prefix identity (``prefix_hashes``, ``prefix_block_tokens``; ``schemas.prefix``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from schemas.prefix import MAX_PREFIX_BLOCKS, text_block_hashes, text_block_tokens
 
 MAX_SLO_MS = 3_600_000.0  # one hour: anything larger is a unit mistake, not an SLO
 QUERY_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
@@ -50,6 +53,13 @@ class Query(BaseModel):
     prompt_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
     created_at: float | None = Field(default=None, ge=0, le=1e11)
     task: str | None = Field(default=None, max_length=128)
+    # Prefix identity (schemas.prefix): chained hashes of the prompt's leading blocks of
+    # ``prefix_block_tokens`` tokens each, hash i naming blocks 0..i (the Mooncake trace's
+    # hash_ids, or vLLM's block hashes). None: derived from the prompt text.
+    prefix_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] | None = Field(
+        default=None, max_length=MAX_PREFIX_BLOCKS
+    )
+    prefix_block_tokens: int = Field(default=512, ge=1, le=1_048_576)
 
     # OpenAI completion / chat request fields
     model: str | None = Field(default=None, max_length=256)
@@ -116,6 +126,14 @@ class Query(BaseModel):
         size = len(self.text().encode("utf-8", "surrogatepass"))
         template = 8 + 8 * len(self.messages) if self.messages is not None else 2
         return max(size + template, self.prompt_tokens or 0)
+
+    def prefix_blocks(self) -> tuple[list[int], float]:
+        """The prompt's prefix block hashes and the tokens each block stands for: its own
+        ``prefix_hashes`` when given, else derived from the text (``schemas.prefix``)."""
+        if self.prefix_hashes is not None:
+            return list(self.prefix_hashes), float(self.prefix_block_tokens)
+        data = self.text().encode("utf-8", "surrogatepass")
+        return text_block_hashes(data), text_block_tokens(len(data), self.prompt_tokens)
 
     def estimated_prompt_tokens(self) -> int:
         """``prompt_tokens`` when the producer gave it, else ~4 bytes per token."""

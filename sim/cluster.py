@@ -11,6 +11,14 @@
   token comes a network overhead plus a lone prefill (Eq. 9 of its profile) after it enters
   service, with seeded log-normal noise; it holds its slot until its last token.
 
+Prefix caches (issue 14): each simulated vLLM keeps its own prefix cache (``sim.engine``),
+and the cluster keeps, per instance, the router's bounded model of it — the LRU that the
+service keeps in Redis (``routing.prefix.LruPrefixModel``): a routed query's blocks are
+touched when it is sent there and again when it finishes, and the model's capacity is
+reconciled with the engine's own hit count every ``RECONCILE_EVERY`` completions. Routers
+see that model (``prefix_view="model"``), or the engine's true cache (``"engine"``), or
+nothing (``"none"``).
+
 Pure: virtual time only, deterministic given ``seed``.
 """
 
@@ -20,9 +28,12 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
+from routing.prefix import LruPrefixModel, full_blocks, reconciled_capacity
+from routing.scheduling import kv_capacity_tokens
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, InstanceView
 from schemas import ClusterConfig, ModelSpec
@@ -37,6 +48,11 @@ DEFAULT_CLOUD_STEP = StepTimeModel(
 
 RATE_WINDOW_S = 60.0
 """Look-back of the arrival-rate estimate that routers get for LPS."""
+
+RECONCILE_EVERY = 32
+"""Completions per instance between reconciliations of its prefix model with its engine."""
+
+PrefixView = Literal["model", "engine", "none"]
 
 
 class ClusterError(ValueError):
@@ -87,6 +103,7 @@ class Completion:
     first_token_s: float
     finish_s: float
     error: str | None = None  # the engine refused it (no first token: times are nan)
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
     @property
     def ttft_ms(self) -> float:
@@ -159,8 +176,13 @@ class SimCluster:
         noise_sigma: float = 0.05,
         oracle_lengths: bool = False,
         timing_factory: Callable[[ModelSpec, float], TimingSource] = default_timing,
+        prefix_view: PrefixView = "model",
     ) -> None:
+        if prefix_view not in ("model", "engine", "none"):
+            raise ClusterError(f"prefix_view must be model, engine or none, got {prefix_view!r}")
         self.config = config
+        self.prefix_view = prefix_view
+        self.prefix_models: dict[str, LruPrefixModel] = {}
         self.oracle_lengths = oracle_lengths
         self.instance_ids = [inst.id for inst in config.instances]
         self.models = [inst.model for inst in config.instances]
@@ -182,6 +204,7 @@ class SimCluster:
                     model=spec.name,
                     max_model_len=spec.max_model_len,
                 )
+                self.prefix_models[inst.id] = LruPrefixModel(kv_capacity_tokens(spec.scheduler))
             else:
                 step = step_model_of(spec) or DEFAULT_CLOUD_STEP
                 self.clouds[inst.id] = CloudEndpoint(
@@ -202,6 +225,9 @@ class SimCluster:
         self._cloud_pending: list[tuple[float, int, Completion]] = []
         self._refused: list[Completion] = []  # refused by an engine, reported on the next advance
         self._seq = 0
+        # request -> (its whole prefix blocks, tokens per block, hit tokens the model predicted)
+        self._prefix: dict[str, tuple[list[int], float, int]] = {}
+        self._recon: dict[str, list[float]] = {}  # instance -> [predicted, engine, completions]
 
     # ---------------------------------------------------------------- time
     def advance_to(self, t_s: float) -> list[Completion]:
@@ -215,7 +241,7 @@ class SimCluster:
                 if ev.kind == "first_token":
                     self._first[ev.request_id] = ev.t_s
                 else:
-                    done.append(self._complete(ev.request_id, iid, ev.t_s))
+                    done.append(self._complete(ev.request_id, iid, ev.t_s, ev.cached_tokens))
         while self._cloud_pending and self._cloud_pending[0][0] <= self.now:
             done.append(heapq.heappop(self._cloud_pending)[2])
         done.extend(self._refused)
@@ -223,9 +249,29 @@ class SimCluster:
         self.completions.extend(done)
         return done
 
-    def _complete(self, rid: str, iid: str, finish_s: float) -> Completion:
+    def _complete(self, rid: str, iid: str, finish_s: float, cached: int = 0) -> Completion:
         first = self._first.pop(rid, finish_s)
-        return Completion(rid, iid, self._arrival.pop(rid), self._submit.pop(rid), first, finish_s)
+        blocks = self._prefix.pop(rid, None)
+        if blocks is not None:
+            self._finished_prefix(iid, blocks, cached)
+        return Completion(
+            rid, iid, self._arrival.pop(rid), self._submit.pop(rid), first, finish_s,
+            cached_tokens=cached,
+        )  # fmt: skip
+
+    def _finished_prefix(self, iid: str, blocks: tuple[list[int], float, int], cached: int) -> None:
+        """The router's model hears of a finish (touch), and is reconciled now and then."""
+        model = self.prefix_models[iid]
+        hashes, block_tokens, predicted = blocks
+        model.touch(np.asarray(hashes, dtype=np.uint64), block_tokens)
+        acc = self._recon.setdefault(iid, [0.0, 0.0, 0.0])
+        acc[0] += predicted
+        acc[1] += cached
+        acc[2] += 1
+        if acc[2] >= RECONCILE_EVERY:
+            cap = kv_capacity_tokens(self.engines[iid].sched)
+            model.resize(reconciled_capacity(model.capacity_tokens, cap, acc[0], acc[1]))
+            acc[:] = [0.0, 0.0, 0.0]
 
     def drain(self) -> list[Completion]:
         """Run until every submitted request has finished."""
@@ -249,9 +295,12 @@ class SimCluster:
         prompt_tokens: int,
         output_tokens: int,
         predicted_output_tokens: int | None = None,
+        prefix_hashes: list[int] | None = None,
+        prefix_block_tokens: float = 512.0,
     ) -> None:
         """Send a request to an instance at the cluster clock (``arrival_s`` is when the
-        user sent it: TTFT is counted from there)."""
+        user sent it: TTFT is counted from there). ``prefix_hashes``: its prompt's block
+        hashes (``schemas.prefix``), for the prefix caches."""
         if request_id in self._where:
             raise ClusterError(
                 f"request {request_id!r} was already submitted (to {self._where[request_id]})"
@@ -269,6 +318,8 @@ class SimCluster:
                     int(prompt_tokens),
                     int(output_tokens),
                     predicted_output_tokens,
+                    prefix_hashes=prefix_hashes,
+                    prefix_block_tokens=prefix_block_tokens,
                 )
             except RequestRejected as exc:
                 nan = float("nan")
@@ -278,12 +329,35 @@ class SimCluster:
                 return
             self._arrival[request_id] = arrival_s
             self._submit[request_id] = self.now
+            if prefix_hashes:
+                self._routed_prefix(
+                    request_id, instance_id, prefix_hashes, prefix_block_tokens, prompt_tokens
+                )
         else:
             c = self.clouds[instance_id].serve(
                 request_id, arrival_s, self.now, int(prompt_tokens), int(output_tokens)
             )
             self._seq += 1
             heapq.heappush(self._cloud_pending, (c.finish_s, self._seq, c))
+
+    def _routed_prefix(
+        self, rid: str, iid: str, hashes: list[int], block_tokens: float, prompt_tokens: int
+    ) -> None:
+        """The router's model: what it predicts this request finds, then its blocks."""
+        model = self.prefix_models[iid]
+        whole = hashes[: full_blocks(len(hashes), int(prompt_tokens), block_tokens)]
+        lead = model.leading_blocks(hashes)
+        predicted = min(int(lead * block_tokens + 1e-9), max(int(prompt_tokens) - 1, 0))
+        model.touch(np.asarray(whole, dtype=np.uint64), block_tokens)
+        self._prefix[rid] = (whole, block_tokens, predicted)
+
+    def prefix_hit_rate(self) -> dict[str, float]:
+        """Per instance, the engine's own prefix-cache hit rate (hit / queried tokens)."""
+        out = {}
+        for iid, eng in self.engines.items():
+            c = eng.prefix_cache
+            out[iid] = c.hits / c.queries if c.queries else 0.0
+        return out
 
     # --------------------------------------------------------- observation
     def rate_per_s(self, instance_id: str) -> float:
@@ -299,13 +373,20 @@ class SimCluster:
         for iid, model in zip(self.instance_ids, self.models, strict=True):
             spec = self.specs[model]
             eng = self.engines.get(iid)
+            cached = None
             if eng is not None:
                 state: InstanceState | None = eng.snapshot(oracle=self.oracle_lengths)
                 free = max(0, spec.max_concurrency - eng.n_resident)
+                if self.prefix_view == "model":
+                    cached = self.prefix_models[iid].cached()
+                elif self.prefix_view == "engine":
+                    cached = eng.cached_hashes()
             else:
                 state = None
                 free = max(0, spec.max_concurrency - self.clouds[iid].in_flight(self.now))
-            out.append(InstanceView(iid, model, state, free, 0.0, self.rate_per_s(iid), False))
+            out.append(
+                InstanceView(iid, model, state, free, 0.0, self.rate_per_s(iid), False, cached)
+            )
         return out
 
     def n_in_system(self) -> int:

@@ -21,6 +21,12 @@ leaves no room for one output token is refused on submit (:class:`RequestRejecte
 HTTP 400); a longer output is cut at the limit (``finish_reason: length``). Requests that
 fit alone but not together wait, or are preempted (``routing.scheduling``).
 
+Prefix caching (vLLM's automatic prefix caching, ``sim.prefix_cache``): a request submitted
+with its prefix block hashes prefills only what the engine's cache does not hold when it is
+admitted; its prompt blocks are cached once its prefill is done, and are evicted, least
+recently freed first, only when the KV cache needs the room. ``prefix_cache_queries`` /
+``prefix_cache_hits`` count prompt tokens looked up and found, like vLLM's counters.
+
 Time semantics: ``advance_to(t)`` runs every step that *starts* before ``t``. A step in
 flight at ``t`` has already been applied to the state (``snapshot()`` shows the state
 after it, and ``busy_until_s()`` says when it ends), but its events are reported only once
@@ -37,9 +43,11 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from routing.prefix import full_blocks
 from routing.scheduling import Segment, Workload, kv_capacity_tokens
 from routing.types import InstanceState
 from schemas import InstanceSnapshot, ResidentRequest, SchedulerConfig
+from sim.prefix_cache import EnginePrefixCache
 from sim.timing import TimingSource
 
 FloatArray = npt.NDArray[np.float64]
@@ -61,6 +69,7 @@ class RequestRecord:
     first_token_s: float
     finish_s: float
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     @property
     def ttft_s(self) -> float:
@@ -85,6 +94,7 @@ class EngineEvent:
     kind: Literal["first_token", "finished"]
     request_id: str
     t_s: float
+    cached_tokens: int = 0  # finished: prompt tokens its admission found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,14 @@ class SimEngine:
         self._predicted = np.zeros(0, dtype=np.int64)
         self._prompt0 = np.zeros(0, dtype=np.int64)
         self._output0 = np.zeros(0, dtype=np.int64)
+        self.prefix_cache = EnginePrefixCache()
+        self._hashes: list[list[int]] = []  # per row: prefix block hashes
+        self._block_tokens: list[float] = []  # per row: tokens per block
+        self._held = np.zeros(0, dtype=np.int64)  # per row: leading blocks it holds
+        self._lead = np.zeros(0, dtype=np.int64)  # per waiting row: leading blocks cached
+        self._cached0 = np.zeros(0, dtype=np.int64)  # per row: hit tokens at first admission
+        self._seen_version = -1
+        self._n_hashed = 0  # rows that came with prefix hashes
         self._clock = float(start_s)  # when the next step may start
         self._now = float(start_s)  # the caller's clock
         self._pending: list[EngineEvent] = []
@@ -146,8 +164,13 @@ class SimEngine:
         prompt_tokens: int,
         output_tokens: int,
         predicted_output_tokens: int | None = None,
+        prefix_hashes: list[int] | None = None,
+        prefix_block_tokens: float = 512.0,
     ) -> None:
-        """Queue a request arriving at ``arrival_s`` (must not be before the engine's clock)."""
+        """Queue a request arriving at ``arrival_s`` (must not be before the engine's clock).
+
+        ``prefix_hashes``: its prompt's chained block hashes, ``prefix_block_tokens`` tokens
+        each (``schemas.prefix``); None: it neither hits nor fills the prefix cache."""
         if arrival_s < self._now - 1e-9:
             raise ValueError(
                 f"submit {request_id!r}: arrival_s={arrival_s} is before the engine clock {self._now}"
@@ -182,6 +205,13 @@ class SimEngine:
         self._predicted = np.append(self._predicted, pred)
         self._prompt0 = np.append(self._prompt0, max(prompt_tokens, 1))
         self._output0 = np.append(self._output0, output_tokens)
+        self._hashes.append(list(prefix_hashes or ()))
+        self._n_hashed += bool(prefix_hashes)
+        self._block_tokens.append(float(prefix_block_tokens))
+        self._held = np.append(self._held, 0)
+        self._lead = np.append(self._lead, 0)
+        self._cached0 = np.append(self._cached0, -1)
+        self._seen_version = -1  # a new waiting row: look its prefix up
 
     # ---- time -------------------------------------------------------------------------
     def next_event_s(self) -> float | None:
@@ -204,7 +234,12 @@ class SimEngine:
         if self._plan is None:
             if self._w.n == 0:
                 return None
+            caching = self._caching()
+            if caching:
+                self._refresh_hits()
             seg = self._w.plan()
+            if caching:
+                self._release_preempted()
             if seg is None:
                 return None
             dur_ms = self.timing.segment_ms(seg, seg.steps, self._rng)
@@ -234,6 +269,8 @@ class SimEngine:
                 n, d, a = seg.step_features(m)
                 self._log.append((n, d, a, np.asarray(dur_ms[:m], dtype=np.float64)))
             done = w.apply(seg, m)
+            if self._caching():
+                self._cache_blocks(seg)
             self.preempting_steps += int(seg.preempted)
             self.steps_run += m
             self.segments_run += 1
@@ -245,6 +282,8 @@ class SimEngine:
                     self._pending.append(EngineEvent("first_token", self._ids[r], t_end))
             if done.finished.size:
                 self._finish(done.finished, t_end)
+            if self._caching():
+                self._evict()
         if not w.n:
             self._clock = max(self._clock, self._now)
         if not collect or not self._pending:
@@ -275,9 +314,15 @@ class SimEngine:
                     first_token_s=float(self._first[r]),
                     finish_s=t_end,
                     preemptions=int(self._w.prompt[r] != self._prompt0[r]),
+                    cached_tokens=max(int(self._cached0[r]), 0),
                 )
             )
-            self._pending.append(EngineEvent("finished", self._ids[r], t_end))
+            self._pending.append(
+                EngineEvent("finished", self._ids[r], t_end, max(int(self._cached0[r]), 0))
+            )
+            if self._held[r]:
+                self.prefix_cache.release(self._hashes[r][: int(self._held[r])])
+            self._n_hashed -= bool(self._hashes[r])
         self._w.remove(rows)
         keep = np.ones(len(self._ids), dtype=bool)
         keep[rows] = False
@@ -287,6 +332,72 @@ class SimEngine:
         self._predicted = self._predicted[keep]
         self._prompt0 = self._prompt0[keep]
         self._output0 = self._output0[keep]
+        self._hashes = [h for h, k in zip(self._hashes, keep.tolist(), strict=True) if k]
+        self._block_tokens = [b for b, k in zip(self._block_tokens, keep.tolist(), strict=True) if k]
+        self._held = self._held[keep]
+        self._lead = self._lead[keep]
+        self._cached0 = self._cached0[keep]
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def _caching(self) -> bool:
+        return self._n_hashed > 0 or len(self.prefix_cache) > 0
+
+    def _refresh_hits(self) -> None:
+        """Waiting rows' hits from the cache as it is now (when it changed since)."""
+        cache = self.prefix_cache
+        if cache.version == self._seen_version:
+            return
+        self._seen_version = cache.version
+        w = self._w
+        for r in np.flatnonzero(w.prefilled == 0).tolist():
+            hashes = self._hashes[r]
+            if not hashes:
+                continue
+            lead = cache.leading_hits(hashes)
+            self._lead[r] = lead
+            w.hit[r] = min(int(lead * self._block_tokens[r] + 1e-9), int(w.prompt[r]) - 1)
+
+    def _release_preempted(self) -> None:
+        """Rows the plan preempted give their blocks back (they stay cached, free)."""
+        gone = np.flatnonzero((self._held > 0) & (self._w.prefilled == 0))
+        for r in gone.tolist():
+            self.prefix_cache.release(self._hashes[r][: int(self._held[r])])
+            self._held[r] = 0
+
+    def _cache_blocks(self, seg: Segment) -> None:
+        """Admitted rows hold their hits; prefilling rows cache what they computed."""
+        cache = self.prefix_cache
+        if seg.n_admitted:
+            for r in seg.rows[-seg.n_admitted :].tolist():
+                lead = int(self._lead[r]) if self._hashes[r] else 0
+                if self._cached0[r] < 0:
+                    self._cached0[r] = int(self._w.hit[r]) if lead else 0
+                    cache.count(int(self._prompt0[r]), int(self._cached0[r]))
+                if lead:
+                    cache.acquire(self._hashes[r][:lead], self._block_tokens[r])
+                    self._held[r] = lead
+        # blocks are cached as they are computed (whole blocks of the prefilled prompt)
+        for r in seg.rows[seg.is_prefill].tolist():
+            hashes = self._hashes[r]
+            if not hashes:
+                continue
+            done = min(int(self._w.prefilled[r]), int(self._prompt0[r]))
+            full = full_blocks(len(hashes), done, self._block_tokens[r])
+            held = int(self._held[r])
+            if full > held:
+                cache.acquire(hashes[held:full], self._block_tokens[r])
+                self._held[r] = full
+
+    def _evict(self) -> None:
+        """Free cached blocks fit in the KV cache's free tokens."""
+        w = self._w
+        running = w.prefilled > 0
+        used = float((w.prefilled[running] + w.decoded[running]).sum())
+        self.prefix_cache.evict_to(kv_capacity_tokens(self.sched) - used)
+
+    def cached_hashes(self) -> npt.NDArray[np.uint64]:
+        """Every block hash the engine's prefix cache holds, sorted."""
+        return self.prefix_cache.cached()
 
     # ---- observation ------------------------------------------------------------------
     @property

@@ -113,6 +113,8 @@ class EvalResult:
     predicted_cost_usd: FloatArray  # [n]
     ttft_ms: FloatArray  # [n] nan if not served
     slo_ms: FloatArray  # [n]
+    prompt_tokens: IntArray  # [n]
+    cached_tokens: IntArray  # [n] prompt tokens its engine found in the prefix cache
     decided: IntArray  # [n] how many decisions each query got (must be 1)
     completed: IntArray  # [n] how many completions each query got (1 if served)
     window_budget_usd: FloatArray  # [w]
@@ -172,6 +174,13 @@ class EvalResult:
         t = self.ttft_ms[~np.isnan(self.ttft_ms)]
         return float(np.percentile(t, q)) if t.size else float("nan")
 
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens served from engines' prefix caches / prompt tokens of served queries
+        (vLLM's prefix_cache_hits_total / prefix_cache_queries_total)."""
+        total = float(self.prompt_tokens[self.served].sum())
+        return float(self.cached_tokens[self.served].sum()) / total if total else 0.0
+
     def decide_percentile_ms(self, q: float) -> float:
         return float(np.percentile(self.decide_ms, q)) if self.decide_ms.size else float("nan")
 
@@ -202,6 +211,7 @@ class EvalResult:
             ),
             "ttft_p50_ms": self.ttft_percentile_ms(50),
             "ttft_p99_ms": self.ttft_percentile_ms(99),
+            "cache_hit_rate": self.cache_hit_rate,
             "decide_p50_ms": self.decide_percentile_ms(50),
             "decide_p99_ms": self.decide_percentile_ms(99),
             "windows": int(self.window_size.size),
@@ -247,6 +257,7 @@ def evaluate(
     cost = np.zeros(n)
     pred_cost = np.zeros(n)
     ttft = np.full(n, np.nan)
+    cached = np.zeros(n, dtype=np.int64)
     decided = np.zeros(n, dtype=np.int64)
     completed = np.zeros(n, dtype=np.int64)
     held_windows = np.zeros(n, dtype=np.int64)
@@ -263,6 +274,7 @@ def evaluate(
             if i is None:
                 raise EvaluationError(f"completion for unknown request {c.request_id!r}")
             completed[i] += 1
+            cached[i] = c.cached_tokens
             if c.error:  # the engine refused it: not served
                 status[i] = REJECTED
                 flags["engine_rejected"] = flags.get("engine_rejected", 0) + 1
@@ -315,6 +327,7 @@ def evaluate(
                 progress(i - len(held), n)
             continue
         queries = [workload.query(k, config.max_tokens) for k in candidates]
+        asked = dict(zip(candidates, queries, strict=True))
         if config.budget_usd_per_query is None:
             window_usd = UNLIMITED_USD
         else:
@@ -379,6 +392,7 @@ def evaluate(
             spend += cost[k]
             pspend += pred_cost[k]
             pred_out = d.predicted_output_tokens if d.predicted_output_tokens else None
+            hashes, block_tokens = asked[k].prefix_blocks()
             cluster.submit(
                 d.query_id,
                 d.instance_id,
@@ -386,6 +400,8 @@ def evaluate(
                 int(workload.prompt_tokens[k]),
                 out_tok,
                 pred_out,
+                prefix_hashes=hashes,
+                prefix_block_tokens=block_tokens,
             )
         held.sort()
         reserved_total += spend
@@ -421,6 +437,8 @@ def evaluate(
         predicted_cost_usd=pred_cost,
         ttft_ms=ttft,
         slo_ms=workload.slo_ms.copy(),
+        prompt_tokens=workload.prompt_tokens.copy(),
+        cached_tokens=cached,
         decided=decided,
         completed=completed,
         window_budget_usd=np.asarray(w_budget),

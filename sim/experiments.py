@@ -56,6 +56,7 @@ from sim.traffic import (
     load_trace,
     mmpp_arrivals,
     poisson_arrivals,
+    rows_by_prefix_root,
 )
 
 FloatArray = npt.NDArray[np.float64]
@@ -574,10 +575,14 @@ def workload_for(
     are (its token counts go with them); ``lengths_from``: a trace to sample sizes from."""
     t_in: IntArray | None
     t_out: IntArray | None
+    rows = None
+    hashes = replay.hash_ids if replay is not None else None
     if replay is not None:
         t_in, t_out = replay.input_tokens, replay.output_tokens
     else:
         t_in, t_out = sample_lengths(lengths_from, arrival_s.size, rng)
+    if hashes is not None:  # a conversation keeps its text (sim.traffic.rows_by_prefix_root)
+        rows = rows_by_prefix_root(hashes, len(data.texts), rng)
     return build_workload(
         arrival_s,
         data.scores,
@@ -591,6 +596,9 @@ def workload_for(
         trace_input_tokens=t_in,
         trace_output_tokens=t_out,
         name=name,
+        rows=rows,
+        prefix_hashes=hashes,
+        prefix_block_tokens=replay.hash_block_tokens if replay is not None else 512,
     )
 
 

@@ -40,6 +40,7 @@ from schemas import Query
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+HashArray = npt.NDArray[np.uint64]
 
 
 class TrafficError(ValueError):
@@ -186,6 +187,9 @@ class Trace:
     input_tokens: IntArray
     output_tokens: IntArray
     name: str = ""
+    # per row, the prompt's chained prefix block hashes (Mooncake's hash_ids), if recorded
+    hash_ids: list[HashArray] | None = None
+    hash_block_tokens: int = 512
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -194,6 +198,8 @@ class Trace:
                 f"trace {self.name!r}: arrival_s has {n} rows, input_tokens {len(self.input_tokens)}, "
                 f"output_tokens {len(self.output_tokens)}"
             )
+        if self.hash_ids is not None and len(self.hash_ids) != n:
+            raise TrafficError(f"trace {self.name!r}: hash_ids has {len(self.hash_ids)} rows, not {n}")
         if n and np.any(np.diff(self.arrival_s) < 0):
             raise TrafficError(f"trace {self.name!r}: arrival_s must be non-decreasing")
 
@@ -212,17 +218,27 @@ class Trace:
     def window(self, start_s: float, duration_s: float) -> Trace:
         """Rows with ``start_s <= arrival_s < start_s + duration_s``, re-based to start at 0."""
         keep = (self.arrival_s >= start_s) & (self.arrival_s < start_s + duration_s)
+        hashes = None
+        if self.hash_ids is not None:
+            hashes = [h for h, k in zip(self.hash_ids, keep.tolist(), strict=True) if k]
         return Trace(
             self.arrival_s[keep] - start_s,
             self.input_tokens[keep],
             self.output_tokens[keep],
             self.name,
+            hashes,
+            self.hash_block_tokens,
         )
 
     def scaled(self, rate_scale: float) -> Trace:
         """Rate scaling by time compression: ``rate_scale`` = 2 replays twice as fast."""
         return Trace(
-            scale_rate(self.arrival_s, rate_scale), self.input_tokens, self.output_tokens, self.name
+            scale_rate(self.arrival_s, rate_scale),
+            self.input_tokens,
+            self.output_tokens,
+            self.name,
+            self.hash_ids,
+            self.hash_block_tokens,
         )
 
 
@@ -242,7 +258,9 @@ def _open_text(path: Path) -> io.TextIOBase:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a trace CSV (``arrival_s, input_tokens, output_tokens``, optionally gzip)."""
+    """Read a trace CSV (``arrival_s, input_tokens, output_tokens``, optionally gzip; a
+    ``hash_ids`` column, as in the Mooncake trace, gives each prompt's prefix block hashes,
+    512 tokens per block)."""
     p = Path(path)
     cols: dict[str, list[float]] = {"arrival_s": [], "input_tokens": [], "output_tokens": []}
     with _open_text(p) as fh:
@@ -250,6 +268,8 @@ def load_trace(path: str | Path) -> Trace:
         missing = [c for c in cols if c not in (reader.fieldnames or [])]
         if missing:
             raise TrafficError(f"{p}: missing column(s) {missing}; header is {reader.fieldnames}")
+        has_hashes = "hash_ids" in (reader.fieldnames or [])
+        hashes: list[HashArray] = []
         for row_no, row in enumerate(reader, start=2):
             for c, acc in cols.items():
                 try:
@@ -258,6 +278,14 @@ def load_trace(path: str | Path) -> Trace:
                     raise TrafficError(
                         f"{p} line {row_no}: {c} must be a number, got {row[c]!r}"
                     ) from None
+            if has_hashes:
+                try:
+                    hashes.append(np.array(row["hash_ids"].split(), dtype=np.uint64))
+                except (AttributeError, ValueError, OverflowError):
+                    raise TrafficError(
+                        f"{p} line {row_no}: hash_ids must be space-separated integers "
+                        f"in [0, 2^64), got {str(row['hash_ids'])[:60]!r}"
+                    ) from None
     arr = np.asarray(cols["arrival_s"])
     order = np.argsort(arr, kind="stable")
     return Trace(
@@ -265,6 +293,7 @@ def load_trace(path: str | Path) -> Trace:
         np.asarray(cols["input_tokens"], dtype=np.int64)[order],
         np.asarray(cols["output_tokens"], dtype=np.int64)[order],
         p.name,
+        [hashes[i] for i in order.tolist()] if has_hashes else None,
     )
 
 
@@ -497,9 +526,14 @@ class Workload:
     models: list[str]  # [m]
     tenant: str = "default"
     name: str = ""
+    # per arrival, its prompt's prefix block hashes (None: derived from the text)
+    prefix_hashes: list[HashArray] | None = None
+    prefix_block_tokens: int = 512
 
     def __post_init__(self) -> None:
         n, m = len(self.arrival_s), len(self.models)
+        if self.prefix_hashes is not None and len(self.prefix_hashes) != n:
+            raise TrafficError(f"Workload.prefix_hashes must have {n} entries")
         for what, arr, shape in (
             ("row", self.row, (n,)),
             ("prompt_tokens", self.prompt_tokens, (n,)),
@@ -539,6 +573,8 @@ class Workload:
             prompt=self.texts[i] or " ",
             max_tokens=max_tokens,
             messages=None,
+            prefix_hashes=None if self.prefix_hashes is None else self.prefix_hashes[i].tolist(),
+            prefix_block_tokens=self.prefix_block_tokens,
         )
 
     def reordered(self, order: IntArray, name: str | None = None) -> Workload:
@@ -558,6 +594,8 @@ class Workload:
             list(self.models),
             self.tenant,
             self.name if name is None else name,
+            None if self.prefix_hashes is None else [self.prefix_hashes[i] for i in idx],
+            self.prefix_block_tokens,
         )
 
     def take(self, idx: IntArray) -> Workload:
@@ -574,7 +612,26 @@ class Workload:
             list(self.models),
             self.tenant,
             self.name,
+            None if self.prefix_hashes is None else [self.prefix_hashes[i] for i in idx],
+            self.prefix_block_tokens,
         )
+
+
+def rows_by_prefix_root(
+    hash_ids: Sequence[HashArray], n_data: int, rng: np.random.Generator
+) -> IntArray:
+    """A dataset row per arrival such that arrivals whose prompts start with the same block
+    (one conversation, or one shared document / system prompt) carry the same query text:
+    a multi-turn conversation keeps its topic, so its turns get consistent quality and
+    length predictions. Prompts without blocks get a row each."""
+    if n_data < 1:
+        raise TrafficError("routing data has no queries")
+    roots = np.array([int(h[0]) if h.size else -1 for h in hash_ids], dtype=np.float64)
+    roots[roots < 0] = -(np.arange(int((roots < 0).sum())) + 1.0)  # each its own group
+    _, group = np.unique(roots, return_inverse=True)
+    pick = rng.integers(0, n_data, size=int(group.max()) + 1 if group.size else 0)
+    out: IntArray = pick[group].astype(np.int64)
+    return out
 
 
 def build_workload(
@@ -594,6 +651,8 @@ def build_workload(
     default_output_tokens: float | FloatArray = 256.0,
     max_output_tokens: int = 4096,
     name: str = "",
+    prefix_hashes: list[HashArray] | None = None,
+    prefix_block_tokens: int = 512,
 ) -> Workload:
     """Join arrivals to dataset queries.
 
@@ -640,4 +699,6 @@ def build_workload(
         tasks=[tasks[i] for i in rows],
         models=list(models),
         name=name,
+        prefix_hashes=prefix_hashes,
+        prefix_block_tokens=prefix_block_tokens,
     )

@@ -1,6 +1,7 @@
 """Routing policies behind one ``Router`` protocol, picked by name (``make_router``).
 
-round-robin, shortest-queue, latency-agnostic (paper A baselines); latency-aware
+round-robin, shortest-queue, latency-agnostic (paper A baselines); prefix-affinity (the
+serving routers' prefix match + load baseline); latency-aware
 (paper A, SFS + δ penalty); per-query-robust (paper A on paper B's lower bounds);
 batch-ilp (paper B); batch-ilp-sfs (both, the default).
 """

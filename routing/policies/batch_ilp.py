@@ -38,6 +38,7 @@ from routing.policies.common import (
     rejected,
 )
 from routing.policies.context import RouterContext
+from routing.prefix import ColumnPrefix
 from routing.types import Budget, InstanceView, IntArray
 from schemas import Decision, DecisionFlag, DecisionStatus, Query
 
@@ -111,40 +112,49 @@ class BatchIlpRouter:
         deadline = (
             None if self.deadline_ms is None else time.perf_counter() + self.deadline_ms / 1e3
         )
-        a = win.utility(self.robust, self.ctx.lam_per_usd)
-        feasible = (win.usable & (win.capacity > 0))[None, :] & win.fits
+        utility = win.utility(self.robust, self.ctx.lam_per_usd)
+        candidate = (win.usable & (win.capacity > 0))[None, :] & win.fits
         group, limits = budget_groups(win.queries, budget)
         out = Outcome.empty(win.n, self.method)
         flagged = np.zeros(win.n, dtype=np.bool_)
-        # inf where a pair is not a candidate at all, so no fallback rule ever picks it
-        standalone = np.where(feasible, 0.0, np.inf)
         # the SLO the TTFT *quantile* must meet: m·L̂ <= τ  <=>  L̂ <= τ/m
         slo_check_ms = win.slo_ms / self.ttft_margin
-        if self.use_sfs:
-            for k in np.flatnonzero(feasible.any(axis=0)).tolist():
-                rows = np.flatnonzero(feasible[:, k])
-                standalone[rows, k] = self.ctx.ttft_model.standalone_ms(
-                    win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
-                )
-            feasible, flagged = prune_by_standalone(feasible, standalone, slo_check_ms)
-            if self.delta > 0:
-                a = a - latency_penalty(standalone, win.slo_ms, self.delta)
-        problem = BatchProblem(
-            utility=a,
-            cost_usd=win.cost_usd,
-            capacity=win.capacity,
-            budget_usd=budget.window_usd,
-            feasible=feasible,
-            group=group if limits.size else None,
-            group_budget_usd=limits if limits.size else None,
-        )
+
+        def problem_of(standalone: np.ndarray) -> tuple[BatchProblem, np.ndarray]:
+            a, feasible, none = utility, candidate, np.zeros(win.n, dtype=np.bool_)
+            if self.use_sfs:
+                feasible, none = prune_by_standalone(candidate, standalone, slo_check_ms)
+                if self.delta > 0:
+                    a = utility - latency_penalty(standalone, win.slo_ms, self.delta)
+            problem = BatchProblem(
+                utility=a,
+                cost_usd=win.cost_usd,
+                capacity=win.capacity,
+                budget_usd=budget.window_usd,
+                feasible=feasible,
+                group=group if limits.size else None,
+                group_budget_usd=limits if limits.size else None,
+            )
+            return problem, none
+
+        standalone = self._standalone(win, candidate)
+        problem, flagged = problem_of(standalone)
+        if self.use_sfs and self._warms(win):
+            # queries sharing a prefix with an earlier one: where that one goes, its prefill
+            # will have cached the shared part — price that pair so, and solve again
+            first = self._solve(problem, deadline).assignment
+            if self._warm_up(win, candidate, standalone, first):
+                problem, flagged = problem_of(standalone)
         rounds = 0
         still = np.zeros(win.n, dtype=np.bool_)
         if self.use_sfs:
 
             def in_order(k: int, rows: IntArray) -> np.ndarray:
                 return self.ctx.ttft_model.in_order_ms(
-                    win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+                    win.views[k],
+                    win.prompt_tokens[rows],
+                    win.output_tokens[rows, k],
+                    win.column_prefix(k, rows),
                 )
 
             res = solve_with_ttft_cuts(
@@ -181,6 +191,50 @@ class BatchIlpRouter:
         if over.any() and (self.use_sfs or self.ctx.report_ttft):
             out.ttft_ms = predict_ttft_in_order(self.ctx, win, out.assignment)
         return decisions(self.name, win, out, budget, now, self.robust)
+
+    def _standalone(self, win: Window, candidate: np.ndarray) -> np.ndarray:
+        """Stand-alone SFS TTFT of every candidate pair with its cache hits (inf where a
+        pair is not a candidate at all, so no fallback rule ever picks it)."""
+        standalone = np.where(candidate, 0.0, np.inf)
+        if not self.use_sfs:
+            return standalone
+        for k in np.flatnonzero(candidate.any(axis=0)).tolist():
+            rows = np.flatnonzero(candidate[:, k])
+            standalone[rows, k] = self.ctx.ttft_model.standalone_ms(
+                win.views[k],
+                win.prompt_tokens[rows],
+                win.output_tokens[rows, k],
+                win.column_prefix(k, rows, in_order=False),
+            )
+        return standalone
+
+    @staticmethod
+    def _warms(win: Window) -> bool:
+        p = win.warm_parent
+        return bool(((p >= 0) & (win.warm_tokens > win.hit_tokens.min(axis=1))).any())
+
+    def _warm_up(
+        self, win: Window, candidate: np.ndarray, standalone: np.ndarray, first: np.ndarray
+    ) -> bool:
+        """Re-price (child, its parent's instance) pairs with the shared prefix cached."""
+        child = np.flatnonzero(win.warm_parent >= 0)
+        k = first[win.warm_parent[child]]
+        keep = k >= 0
+        child, k = child[keep], k[keep]
+        keep = candidate[child, k] & (win.warm_tokens[child] > win.hit_tokens[child, k])
+        child, k = child[keep], k[keep]
+        if not child.size:
+            return False
+        for col in np.unique(k).tolist():
+            rows = child[k == col]
+            hits = np.maximum(win.hit_tokens[rows, col], win.warm_tokens[rows])
+            standalone[rows, col] = self.ctx.ttft_model.standalone_ms(
+                win.views[col],
+                win.prompt_tokens[rows],
+                win.output_tokens[rows, col],
+                ColumnPrefix(hits, None, np.ones(rows.size)),
+            )
+        return True
 
     def _fill(
         self,

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routing.policies.context import DEFAULT_OUTPUT_TOKENS, RouterContext
+from routing.prefix import ColumnPrefix, WindowPrefixes
 from routing.types import Budget, FloatArray, InstanceView, IntArray
 from schemas import Decision, DecisionFlag, DecisionStatus, Query, WindowStats
 
@@ -40,6 +41,10 @@ class Window:
     fits: BoolArray  # [n, K] prompt + output cap within the instance's context (and KV cache)
     unfit: list[str | None]  # [n] why no instance in view can hold the query (None: one can)
     never_fits: BoolArray  # [n] no model of the cluster can hold it at all: rejected
+    hit_tokens: IntArray  # [n, K] prompt tokens cached on each instance (routing.prefix)
+    warm_parent: IntArray  # [n] earlier query sharing the longest prefix (-1: none)
+    warm_tokens: IntArray  # [n] tokens of that shared prefix
+    prefixes: WindowPrefixes | None = None  # the queries' block hashes (prefix-aware only)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -54,6 +59,17 @@ class Window:
         a = self.quality_lower if robust else self.quality_mean
         out: FloatArray = a - lam_per_usd * self.cost_usd if lam_per_usd > 0 else a.copy()
         return out
+
+    def column_prefix(self, k: int, rows: IntArray, in_order: bool = True) -> ColumnPrefix | None:
+        """The prefix facts of ``rows`` (in order) on instance ``k``, for SFS; None when
+        nothing is cached or shared."""
+        if self.prefixes is None:
+            return None
+        hits = self.hit_tokens[rows, k]
+        shared = self.prefixes.shared_matrix(rows) if in_order and rows.size > 1 else None
+        if not hits.any() and (shared is None or not shared.any()):
+            return None
+        return ColumnPrefix(hits, shared, self.prefixes.block_tokens[rows])
 
     def columns(self, i: int) -> BoolArray:
         """Instances that may take query ``i`` at all: usable and able to hold it."""
@@ -128,6 +144,7 @@ def prepare(
     estimate = np.array([ttft.is_estimate(v) for v in views], dtype=np.bool_)
     stale = np.array([bool(v.stale) for v in views], dtype=np.bool_)
     fits, unfit, never = context_fits(ctx, queries, prompt, views, usable)
+    prefixes, hits, parent, shared = prefix_hits(ctx, queries, prompt, views, usable)
     return Window(
         queries,
         views,
@@ -144,8 +161,34 @@ def prepare(
         fits,
         unfit,
         never,
+        hits,
+        parent,
+        shared,
+        prefixes,
         started,
     )
+
+
+def prefix_hits(
+    ctx: RouterContext,
+    queries: Sequence[Query],
+    prompt: IntArray,
+    views: Sequence[InstanceView],
+    usable: BoolArray,
+) -> tuple[WindowPrefixes | None, IntArray, IntArray, IntArray]:
+    """Each query's prefix-cache hit on each instance, and the earlier query of the window
+    it shares the longest prefix with (``routing.prefix``). Zeros when not prefix-aware."""
+    n, K = len(queries), len(views)
+    hits = np.zeros((n, K), dtype=np.int64)
+    none = np.full(n, -1, dtype=np.int64)
+    if not ctx.prefix_aware or n == 0:
+        return None, hits, none, np.zeros(n, dtype=np.int64)
+    wp = WindowPrefixes.of_queries(queries, prompt)
+    for k, v in enumerate(views):
+        if usable[k] and v.prefix_hashes is not None and v.prefix_hashes.size:
+            hits[:, k] = wp.hit_tokens(v.prefix_hashes)
+    parent, shared = wp.sharing()
+    return wp, hits, parent, shared
 
 
 def context_fits(
@@ -321,7 +364,10 @@ def predict_ttft_in_order(ctx: RouterContext, win: Window, assignment: IntArray)
     for k in np.unique(assignment[assignment >= 0]).tolist():
         rows = np.flatnonzero(assignment == k)
         ttft[rows] = ctx.ttft_model.in_order_ms(
-            win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+            win.views[k],
+            win.prompt_tokens[rows],
+            win.output_tokens[rows, k],
+            win.column_prefix(k, rows),
         )
     return ttft
 

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from routing.prefix import ColumnPrefix
 from routing.steptime import StepTimeModel
 from routing.types import FloatArray, InstanceView, IntArray
 from schemas import ClusterConfig, ModelSpec
@@ -52,14 +53,24 @@ class TtftModel(Protocol):
     ``standalone_ms``: each candidate appended alone (for pruning pairs).
     ``in_order_ms``: all appended FCFS in the given order (the re-check).
     ``is_estimate``: True when the answer is the LPS average case (no live state).
+    ``prefix``: the candidates' prefix-cache hits there (and, in order, what they share
+    with each other); None: no prefix is cached.
     """
 
     def standalone_ms(
-        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+        self,
+        view: InstanceView,
+        prompt_tokens: IntArray,
+        output_tokens: IntArray,
+        prefix: ColumnPrefix | None = None,
     ) -> FloatArray: ...
 
     def in_order_ms(
-        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+        self,
+        view: InstanceView,
+        prompt_tokens: IntArray,
+        output_tokens: IntArray,
+        prefix: ColumnPrefix | None = None,
     ) -> FloatArray: ...
 
     def is_estimate(self, view: InstanceView) -> bool: ...
@@ -110,7 +121,11 @@ class SfsTtft:
         return out
 
     def standalone_ms(
-        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+        self,
+        view: InstanceView,
+        prompt_tokens: IntArray,
+        output_tokens: IntArray,
+        prefix: ColumnPrefix | None = None,
     ) -> FloatArray:
         if view.state is None or view.stale or view.model not in self.step_time:
             return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
@@ -118,12 +133,20 @@ class SfsTtft:
 
         spec = self._spec(view)
         ttft = standalone_ttft_ms(
-            view.state, prompt_tokens, self.step_time[view.model], spec.scheduler
+            view.state,
+            prompt_tokens,
+            self.step_time[view.model],
+            spec.scheduler,
+            hit_tokens=None if prefix is None else prefix.hit_tokens,
         )
         return self._never(view, prompt_tokens, ttft)
 
     def in_order_ms(
-        self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
+        self,
+        view: InstanceView,
+        prompt_tokens: IntArray,
+        output_tokens: IntArray,
+        prefix: ColumnPrefix | None = None,
     ) -> FloatArray:
         if view.state is None or view.stale or view.model not in self.step_time:
             return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
@@ -136,6 +159,9 @@ class SfsTtft:
             self.step_time[view.model],
             spec.scheduler,
             output_tokens=np.maximum(output_tokens, 1),
+            hit_tokens=None if prefix is None else prefix.hit_tokens,
+            shared_tokens=None if prefix is None else prefix.shared_tokens,
+            block_tokens=None if prefix is None else prefix.block_tokens,
         )
         return self._never(view, prompt_tokens, ttft)
 
@@ -148,6 +174,9 @@ class RouterContext:
     budget). ``ttft``: defaults to ``SfsTtft`` over ``step_time``. ``report_ttft``:
     latency-blind policies still fill ``predicted_ttft_ms`` (one in-order SFS run per
     used instance) unless this is False, e.g. in a simulator that measures it anyway.
+    ``prefix_aware``: TTFT estimates count each query's prefix-cache hits on each instance
+    (``routing.prefix``; the views' ``prefix_hashes``); False: every prompt is prefilled in
+    full, as if no instance cached anything.
     """
 
     cluster: ClusterConfig
@@ -157,6 +186,7 @@ class RouterContext:
     ttft: TtftModel | None = None
     lam_per_usd: float = 0.0
     report_ttft: bool = True  # False: latency-blind policies skip the SFS TTFT they report
+    prefix_aware: bool = True
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.lam_per_usd) or self.lam_per_usd < 0:
@@ -185,6 +215,7 @@ class RouterContext:
         step_time: Mapping[str, StepTimeModel] | None = None,
         lam_per_usd: float = 0.0,
         report_ttft: bool = True,
+        prefix_aware: bool = True,
     ) -> RouterContext:
         """Fill missing step-time models from each ModelSpec's coefficients or profile."""
         models: dict[str, StepTimeModel] = dict(step_time or {})
@@ -197,4 +228,4 @@ class RouterContext:
                 from routing.profiles import load_profile
 
                 models[spec.name] = load_profile(spec.profile)
-        return cls(cluster, quality, length, models, None, lam_per_usd, report_ttft)
+        return cls(cluster, quality, length, models, None, lam_per_usd, report_ttft, prefix_aware)

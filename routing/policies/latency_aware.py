@@ -3,7 +3,8 @@
     m(i) = argmax_j  U_ij − δ · L̂_ij / τ_i   subject to  L̂_ij <= τ_i
 
 with U_ij = a_ij − λ·cost_ij and L̂_ij the SFS TTFT of query i on instance j behind
-the queries this window already sent there. No instance meets the SLO → the one with
+the queries this window already sent there (with its prefix-cache hits there, including
+what those queries will have cached by its turn). No instance meets the SLO → the one with
 the lowest estimated TTFT, flagged ``slo_infeasible`` (paper A's rule).
 """
 
@@ -35,7 +36,10 @@ class LatencyAwareRouter(SequentialRouter):
             return float(self._standalone[i, k])
         rows = np.append(ahead, i)
         t = self.ctx.ttft_model.in_order_ms(
-            win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+            win.views[k],
+            win.prompt_tokens[rows],
+            win.output_tokens[rows, k],
+            win.column_prefix(k, rows),
         )
         return float(t[-1])
 
@@ -45,7 +49,10 @@ class LatencyAwareRouter(SequentialRouter):
             rows = np.flatnonzero(win.fits[:, k])
             if rows.size:
                 self._standalone[rows, k] = self.ctx.ttft_model.standalone_ms(
-                    win.views[k], win.prompt_tokens[rows], win.output_tokens[rows, k]
+                    win.views[k],
+                    win.prompt_tokens[rows],
+                    win.output_tokens[rows, k],
+                    win.column_prefix(k, rows, in_order=False),
                 )
 
     def choose(

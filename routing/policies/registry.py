@@ -11,6 +11,7 @@ from routing.policies.context import RouterContext
 from routing.policies.latency_agnostic import LatencyAgnosticRouter
 from routing.policies.latency_aware import LatencyAwareRouter
 from routing.policies.per_query_robust import PerQueryRobustRouter
+from routing.policies.prefix_affinity import PrefixAffinityRouter
 from routing.policies.round_robin import RoundRobinRouter
 from routing.policies.shortest_queue import ShortestQueueRouter
 from routing.types import Router
@@ -20,6 +21,7 @@ DEFAULT_POLICY = "batch-ilp-sfs"
 ROUTERS: dict[str, Callable[..., Any]] = {
     "round-robin": RoundRobinRouter,
     "shortest-queue": ShortestQueueRouter,
+    "prefix-affinity": PrefixAffinityRouter,
     "latency-agnostic": LatencyAgnosticRouter,
     "latency-aware": LatencyAwareRouter,
     "per-query-robust": PerQueryRobustRouter,

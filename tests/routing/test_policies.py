@@ -50,10 +50,14 @@ class QueueTtft:
     def _backlog(self, view: InstanceView) -> float:
         return 40.0 * (view.state.n if view.state is not None else 4)
 
-    def standalone_ms(self, view: InstanceView, prompt: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def standalone_ms(
+        self, view: InstanceView, prompt: np.ndarray, out: np.ndarray, prefix: object = None
+    ) -> np.ndarray:
         return self._backlog(view) + self.ms_per_token[view.model] * prompt.astype(float)
 
-    def in_order_ms(self, view: InstanceView, prompt: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def in_order_ms(
+        self, view: InstanceView, prompt: np.ndarray, out: np.ndarray, prefix: object = None
+    ) -> np.ndarray:
         return self._backlog(view) + np.cumsum(self.ms_per_token[view.model] * prompt.astype(float))
 
     def is_estimate(self, view: InstanceView) -> bool:
