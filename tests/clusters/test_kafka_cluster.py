@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, ConfigResource, ConfigResourceType, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from switchyard import clusters, services
 from tests.clusters.conftest import Clusters
