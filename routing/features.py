@@ -378,6 +378,7 @@ class StaticMiniLMFeaturizer:
         self.max_tokens = max_tokens
         self._table = table
         self._tok = tokenizer
+        self._words: Any = None
         self.digest = ""
         self.token_weight: Float32Array | None = None  # [V]
         self.center: Float32Array | None = None  # [384]
@@ -410,14 +411,21 @@ class StaticMiniLMFeaturizer:
         return self._table, self._tok
 
     def _ids(self, texts: Sequence[str]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """All texts' token ids (without [CLS]/[SEP]) concatenated, and each text's count."""
+        """All texts' token ids (without [CLS]/[SEP]) concatenated, and each text's count.
+
+        Through a per-word cache (``routing.minilm.WordPieceCache``): the tokenizer runs
+        only on words not seen before (5,995 of 6,000 dc9/ccf20 texts get exactly the
+        tokenizer's ids; the rest differ at a few full-width CJK punctuation marks)."""
+        from routing.minilm import WordPieceCache
+
         _, tok = self._load()
+        if self._words is None or self._words.tok is not tok:
+            self._words = WordPieceCache(tok)
         half = self.max_chars // 2  # like the hashed features: the head and the question at the end
         cut = [t if len(t) <= self.max_chars else t[:half] + " " + t[-half:] for t in texts]
-        encs = tok.encode_batch(cut, add_special_tokens=False)
-        lens = np.fromiter((len(e.ids) for e in encs), np.int64, len(encs))
-        ids = np.fromiter((i for e in encs for i in e.ids), np.int64, int(lens.sum()))
-        return ids, lens
+        ids, lens = self._words.ids(cut)
+        out: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] = (ids, lens)
+        return out
 
     def _pooled(self, texts: Sequence[str]) -> Float32Array:
         table, _ = self._load()

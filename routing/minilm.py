@@ -26,6 +26,8 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +244,77 @@ def load_static_table(path: Path | None = None, build: bool = True) -> Float32Ar
     np.save(tmp, table.astype(np.float16))
     os.replace(tmp, f)
     return table
+
+
+# BERT's basic pre-tokenisation, context-free: a CJK ideograph alone, a run of characters
+# that are neither whitespace, punctuation nor CJK, or one punctuation character.
+_CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_PUNCT = "!-/:-@\\[-`{-~\u2000-\u206f\u3000-\u303f\uff00-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff65"
+_WORD = re.compile(f"[{_CJK}]|[^\\s{_PUNCT}{_CJK}]+|[{_PUNCT}]")
+
+
+class WordPieceCache:
+    """Token ids of a batch of texts, tokenising each distinct *word* once.
+
+    WordPiece works on each pre-token (word) independently and BERT's normaliser is
+    per character, so a text's ids are the concatenation of its words' ids: words repeat
+    across queries far more than whole texts do, and a dict lookup per word replaces the
+    tokenizer on every word seen before. Memory is bounded: past ``max_words`` distinct
+    words the cache starts afresh.
+    """
+
+    def __init__(self, tokenizer: Any, max_words: int = 200_000) -> None:
+        self.tok = tokenizer
+        self.max_words = max_words
+        self._clear()
+
+    def _clear(self) -> None:
+        self.index: dict[str, int] = {}
+        self._starts = np.zeros(1024, np.int64)
+        self._lens = np.zeros(1024, np.int64)
+        self._pool = np.zeros(8192, np.int32)
+        self._used = 0
+
+    def _add(self, words: list[str]) -> None:
+        if len(self.index) + len(words) > self.max_words:
+            self._clear()
+        encs = self.tok.encode_batch(words, add_special_tokens=False)
+        lens = np.fromiter((len(e.ids) for e in encs), np.int64, len(encs))
+        ids = np.fromiter((i for e in encs for i in e.ids), np.int32, int(lens.sum()))
+        k0 = len(self.index)
+        need_w, need_t = k0 + len(words), self._used + ids.size
+        if need_w > self._starts.size:
+            grow = max(need_w, 2 * self._starts.size)
+            self._starts = np.resize(self._starts, grow)
+            self._lens = np.resize(self._lens, grow)
+        if need_t > self._pool.size:
+            self._pool = np.resize(self._pool, max(need_t, 2 * self._pool.size))
+        self._starts[k0:need_w] = self._used + np.concatenate(([0], np.cumsum(lens)[:-1]))
+        self._lens[k0:need_w] = lens
+        self._pool[self._used : need_t] = ids
+        self._used = need_t
+        for j, w in enumerate(words):
+            self.index[w] = k0 + j
+
+    def ids(self, texts: Sequence[str]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """All texts' token ids (no special tokens) concatenated, and each text's count."""
+        words = [_WORD.findall(t) for t in texts]
+        new = list(dict.fromkeys(w for ws in words for w in ws if w not in self.index))
+        if new:
+            self._add(new)
+            # a full cache starts afresh inside _add: words of this batch seen before may be gone
+            gone = list(dict.fromkeys(w for ws in words for w in ws if w not in self.index))
+            if gone:
+                self._add(gone)
+        n_words = np.fromiter((len(ws) for ws in words), np.int64, len(words))
+        widx = np.fromiter((self.index[w] for ws in words for w in ws), np.int64, int(n_words.sum()))
+        st, ln = self._starts[widx], self._lens[widx]
+        total = int(ln.sum())
+        first = np.repeat(np.cumsum(ln) - ln, ln)
+        ids = self._pool[np.repeat(st, ln) + (np.arange(total) - first)].astype(np.int64)
+        per_text = np.zeros(len(texts), np.int64)
+        if widx.size:
+            ends = np.cumsum(n_words)
+            csum = np.concatenate(([0], np.cumsum(ln)))
+            per_text = csum[ends] - csum[ends - n_words]
+        return ids, per_text

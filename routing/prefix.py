@@ -30,6 +30,16 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import Query
+from schemas.prefix import reconciled_capacity
+
+__all__ = [
+    "ColumnPrefix",
+    "LruPrefixModel",
+    "WindowPrefixes",
+    "full_blocks",
+    "query_block_hashes",
+    "reconciled_capacity",
+]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -236,30 +246,3 @@ class LruPrefixModel:
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self._blocks.keys(), np.uint64, len(self._blocks)))
         return self._sorted
-
-
-def reconciled_capacity(
-    capacity_tokens: float,
-    max_tokens: float,
-    predicted_hit_tokens: float,
-    engine_hit_tokens: float,
-    min_evidence_tokens: float = 4096.0,
-) -> float:
-    """The model's capacity after comparing its hits with the engine's own count.
-
-    Over the same requests, the model predicted ``predicted_hit_tokens`` cached tokens and
-    the engine found ``engine_hit_tokens`` (vLLM: ``prefix_cache_hits_total``). A model that
-    predicts more hits than the engine finds keeps blocks the engine has evicted (other
-    traffic, a smaller cache than configured, prefix caching off): its capacity shrinks by
-    that ratio (at most halved per call); one that predicts fewer grows back (at most
-    doubled), never beyond ``max_tokens`` (the KV cache) nor under 1% of it. Too little
-    evidence (under ``min_evidence_tokens`` either way) changes nothing.
-    """
-    if max(predicted_hit_tokens, engine_hit_tokens) < min_evidence_tokens:
-        return capacity_tokens
-    ratio = engine_hit_tokens / max(predicted_hit_tokens, 1.0)
-    if abs(ratio - 1.0) <= 0.1:
-        return capacity_tokens
-    new = capacity_tokens * min(max(ratio, 0.5), 2.0)
-    return float(min(max(new, 0.01 * max_tokens), max_tokens))
-

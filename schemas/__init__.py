@@ -13,6 +13,7 @@ from schemas.messages import (
     Decision,
     DecisionFlag,
     DecisionStatus,
+    RelayChunk,
     Result,
     RoutedQuery,
     WindowStats,
@@ -27,6 +28,7 @@ TOPIC_BODIES = {
     "decisions": Decision,
     "results": Result,
     "dead-letters": DeadLetter,
+    "relay.<gateway>": RelayChunk,
     "cluster-config": ClusterConfig,
     "instance-snapshot": InstanceSnapshot,
 }
@@ -45,6 +47,7 @@ __all__ = [
     "Limits",
     "ModelSpec",
     "Query",
+    "RelayChunk",
     "ResidentRequest",
     "Result",
     "RoutedQuery",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.query import TENANT_PATTERN, Query
 
@@ -100,12 +101,32 @@ class InstanceSpec(BaseModel):
         return self.topic or f"route.{self.id}"
 
 
+ANY_MODEL = "auto"  # a query's ``model`` that leaves the choice to the router
+API_KEY_SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
 class TenantBudget(BaseModel):
+    """A tenant's budget per period and the API keys (SHA-256, hex) that act for it."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     tenant: str = Field(pattern=TENANT_PATTERN)
     budget_usd: float = Field(ge=0)
     period_s: float = Field(default=86_400.0, gt=0)
+    # the gateway (``switchyard gateway``) maps a bearer key to this tenant when the key's
+    # SHA-256 is listed here; keys themselves are never stored (``switchyard api-key``)
+    api_keys_sha256: list[str] = Field(default_factory=list)
+
+    @field_validator("api_keys_sha256")
+    @classmethod
+    def _hashes(cls, value: list[str]) -> list[str]:
+        for h in value:
+            if not re.fullmatch(API_KEY_SHA256_PATTERN, h):
+                raise ValueError(
+                    f"must be SHA-256 hex digests (64 lowercase hex digits), got {h[:12]!r}…; "
+                    "`switchyard api-key` prints a key and its digest"
+                )
+        return value
 
 
 class ClusterConfig(BaseModel):
@@ -116,6 +137,8 @@ class ClusterConfig(BaseModel):
     models: list[ModelSpec] = Field(min_length=1)
     instances: list[InstanceSpec] = Field(min_length=1)
     tenants: list[TenantBudget] = Field(default_factory=list)
+    # names a query's ``model`` may give for a set of models, e.g. {small: [m1, m2]}
+    model_groups: dict[str, list[str]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
@@ -131,7 +154,36 @@ class ClusterConfig(BaseModel):
         for inst in self.instances:
             if inst.model not in known:
                 raise ValueError(f"instance {inst.id!r} names unknown model {inst.model!r}")
+        for group, members in self.model_groups.items():
+            if group in known:
+                raise ValueError(f"model group {group!r} has the name of a model")
+            unknown = [m for m in members if m not in known]
+            if not members or unknown:
+                raise ValueError(
+                    f"model group {group!r} must list known models, got unknown {unknown} "
+                    f"(known: {names})"
+                    if unknown
+                    else f"model group {group!r} is empty"
+                )
         return self
+
+    def models_named(self, name: str) -> list[str]:
+        """The models a query's ``model`` field allows: the model itself, a group's members,
+        or every model for ``auto``.
+
+        ``KeyError`` naming what is known when ``name`` is neither.
+        """
+        if name in self.model_groups:
+            return list(self.model_groups[name])
+        if any(m.name == name for m in self.models):
+            return [name]
+        if name == ANY_MODEL:
+            return [m.name for m in self.models]
+        groups = f"; groups: {sorted(self.model_groups)}" if self.model_groups else ""
+        raise KeyError(
+            f"model {name!r} is not served by this cluster; models: "
+            f"{[m.name for m in self.models]}{groups}"
+        )
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:

@@ -85,3 +85,11 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
     if len(lines) > 5:
         text += f"; and {len(lines) - 5} more"
     return f"{prefix}{text}"
+
+
+def first_field(exc: ValidationError) -> str | None:
+    """The dotted path of the first field a validation failure blames (None: the body)."""
+    errors = exc.errors(include_url=False)
+    if not errors or not errors[0].get("loc"):
+        return None
+    return _loc(tuple(errors[0]["loc"]))

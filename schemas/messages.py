@@ -25,6 +25,7 @@ class DecisionFlag(StrEnum):
     BUDGET_BLIND = "budget_blind"  # ledger unreachable: spend reserved conservatively
     DEADLINE = "deadline"  # solver stopped at its deadline; best feasible decision returned
     REROUTED = "rerouted"  # re-routed after its instance stopped heart-beating
+    MODEL_CONSTRAINED = "model_constrained"  # the query's ``model`` limited the instances
 
 
 class WindowStats(BaseModel):
@@ -94,12 +95,35 @@ class Result(BaseModel):
     cost_usd: float = Field(default=0.0, ge=0)
     slo_met: bool | None = None
     error: str | None = None
+    # the engine's reason for the last token ("stop", "length", "tool_calls"…), when known
+    finish_reason: str | None = Field(default=None, max_length=64)
     attempt: int = Field(default=1, ge=1)
     finished_at: float = Field(ge=0)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+class RelayChunk(BaseModel):
+    """Body of ``relay.<gateway>``: text a worker relays while the engine streams one query.
+
+    ``seq`` counts the query's chunks from 0 (per attempt); the last one has ``done`` set and
+    carries the token counts. Keyed by query id, so one query's chunks stay in order.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    query_id: QueryId
+    model: str | None = None  # the model serving it
+    attempt: int = Field(default=1, ge=1)
+    seq: int = Field(ge=0)
+    text: str = ""
+    done: bool = False
+    finish_reason: str | None = Field(default=None, max_length=64)
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    output_tokens: int | None = Field(default=None, ge=0)
+    error: str | None = None
 
 
 MAX_DEAD_LETTER_RAW_BYTES = 262_144  # base64 grows it by a third; stays far below 1 MB brokers

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from schemas.errors import describe_validation_error
+from schemas.errors import describe_validation_error, first_field
 from schemas.query import Query
 
 M = TypeVar("M", bound=BaseModel)
@@ -24,11 +24,13 @@ class Limits:
 
 
 class BadMessage(ValueError):
-    """A message that cannot be accepted; ``reason`` names the problem."""
+    """A message that cannot be accepted; ``reason`` names the problem, ``field`` the first
+    offending field (dotted path, e.g. ``messages[0].role``) when one is to blame."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, field: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.field = field
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -121,7 +123,7 @@ def validate_model(
     try:
         return model.model_validate(value, context={"max_prompt_bytes": limits.max_prompt_bytes})
     except ValidationError as exc:
-        raise BadMessage(describe_validation_error(exc, prefix)) from None
+        raise BadMessage(describe_validation_error(exc, prefix), first_field(exc)) from None
     except (RecursionError, OverflowError) as exc:
         raise BadMessage(f"{prefix}cannot validate: {type(exc).__name__}") from None
 

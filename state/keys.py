@@ -13,6 +13,9 @@ key                                    type    holds
                                                arrived_at" (resident requests)
 ``sy:inst:{<instance>}:slots``         zset    query id → last touch (Redis time): capacity held
 ``sy:inst:{<instance>}:gone``          zset    query id → when it was done (tombstones for resync)
+``sy:inst:{<instance>}:pfx``           zset    prefix block hash → recency (the router's LRU
+                                               model of the instance's prefix cache)
+``sy:inst:{<instance>}:pfxt``          hash    prefix block hash → tokens; ``#seq``, ``#total``
 ``sy:inst:{<instance>}:claim:<query>`` string  who owns the query's copy in ``route.<instance>``:
                                                ``run`` (its worker started it), ``rescue <id>
                                                <lease end ms>``, ``rerouted <id>``; TTL
@@ -86,6 +89,10 @@ class Keys:
 
     def gone(self, instance_id: str) -> str:
         return self._inst(instance_id, "gone")
+
+    def prefix(self, instance_id: str) -> tuple[str, str]:
+        """(recency zset, tokens hash) of the instance's prefix-cache model."""
+        return self._inst(instance_id, "pfx"), self._inst(instance_id, "pfxt")
 
     def claim(self, instance_id: str, query_id: str) -> str:
         """Claim on the copy of ``query_id`` routed to ``instance_id`` (worker vs rescuer)."""

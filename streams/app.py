@@ -193,6 +193,13 @@ class _RouterFaustApp(faust.App):
             await runtime.rescuer.reader.close()
         await super().on_stop()
 
+    async def on_shutdown(self) -> None:
+        # after the agents (children) stopped: nothing produces any more
+        runtime = self.router_runtime
+        if runtime is not None:
+            await runtime.close_clients()
+        await super().on_shutdown()
+
 
 @dataclass
 class RouterApp:
@@ -209,6 +216,21 @@ class RouterApp:
     rescuer: Rescuer | None = None
     acker: OrderedAcker = field(default_factory=OrderedAcker)
     _starting: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _producer: Any = None  # the service's own producer (stopped on shutdown)
+    _store: Any = None
+
+    async def close_clients(self) -> None:
+        """Stop the producer and Redis client ``ensure_service`` opened (a SIGTERM otherwise
+        leaves them to the garbage collector: "Unclosed AIOKafkaProducer")."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                await producer.stop()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                log.warning("stopping the router's producer: %s", exc)
+        store, self._store = self._store, None
+        if store is not None:
+            await store.close()
 
     async def ensure_service(self) -> RouterService:
         async with self._starting:
@@ -227,6 +249,7 @@ class RouterApp:
                     max_request_size=8 * 1024 * 1024,
                 )
                 await producer.start()
+                self._producer, self._store = producer, store
                 guard = LedgerGuard(
                     self.cluster,
                     kafka_scan(
@@ -279,8 +302,20 @@ def create_app(
     commit_interval_s: float = 0.5,
     offset_reset: str = "earliest",
     rescue: RescueConfig | None = None,
+    datadir: str | os.PathLike[str] | None = None,
 ) -> RouterApp:
-    """Build the Faust app; ``faust.Worker(app).execute_from_commandline()`` runs it."""
+    """Build the Faust app; ``faust.Worker(app).execute_from_commandline()`` runs it.
+
+    ``datadir``: Faust's state folder (default: a temporary one removed at exit; Faust's own
+    default, ``<app id>-data`` in the working directory, littered wherever it was started)."""
+    if datadir is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        datadir = tempfile.mkdtemp(prefix=f"{app_id}-")
+        atexit.register(shutil.rmtree, datadir, True)
+    os.makedirs(datadir, exist_ok=True)
     kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
     app = _RouterFaustApp(
         app_id,
@@ -305,6 +340,7 @@ def create_app(
         broker_heartbeat_interval=3.0,
         consumer_auto_offset_reset=offset_reset,
         table_cleanup_interval=3600.0,
+        datadir=str(datadir),
     )
     runtime = RouterApp(
         app, cluster, router, settings, config, metrics or RouterMetrics(), rescue=rescue
@@ -417,9 +453,21 @@ def _record_lag(metrics: RouterMetrics, consumer: Any, events: list[Any]) -> Non
             metrics.queue_lag.labels(str(tp.partition)).set(max(0, high - offset - 1))
 
 
-def run(runtime: RouterApp, loglevel: str = "WARNING") -> None:
-    """Run the app until SIGTERM/SIGINT (blocking)."""
-    worker = faust.Worker(runtime.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+def run(
+    runtime: RouterApp, loglevel: str = "WARNING", logging_config: dict[str, Any] | None = None
+) -> None:
+    """Run the app until SIGTERM/SIGINT (blocking). ``logging_config``: a ``dictConfig`` that
+    replaces Faust's own (coloured) handler set-up."""
+    worker = faust.Worker(
+        runtime.app,
+        loglevel=loglevel,
+        quiet=True,
+        redirect_stdouts=False,
+        logging_config=logging_config,
+    )
+    # Faust's start-up spinner writes cursor escape codes even off a terminal, and lowers
+    # the root logger to DEBUG for itself (every client's debug record then gets built)
+    worker.spinner = None
     started = time.time()
     log.info("router starting (policy %s)", getattr(runtime.router, "name", "?"))
     profile_to = os.environ.get("SWITCHYARD_PROFILE")  # developer aid: cProfile the whole run

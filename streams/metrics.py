@@ -66,6 +66,18 @@ class RouterMetrics:
             ["tenant"],
             registry=r,
         )
+        self.budget_usd = Gauge(
+            "switchyard_router_budget_usd",
+            "Each tenant's budget for its current period",
+            ["tenant"],
+            registry=r,
+        )
+        self.committed_usd = Gauge(
+            "switchyard_router_committed_usd",
+            "Reserved + spent in each tenant's current period (Redis ledger, read per window)",
+            ["tenant"],
+            registry=r,
+        )
         self.slo_predicted_met = Counter(
             "switchyard_router_slo_predicted_met_total",
             "Routed queries whose predicted TTFT meets their SLO",
@@ -103,6 +115,12 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+
+    def observe_budgets(self, budgets: dict[str, float], committed: dict[str, float]) -> None:
+        for tenant, usd in committed.items():
+            self.committed_usd.labels(tenant).set(usd)
+            if tenant in budgets:
+                self.budget_usd.labels(tenant).set(budgets[tenant])
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

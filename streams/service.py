@@ -438,6 +438,11 @@ class RouterService:
                         f"query {query.id}: unknown tenant {query.tenant!r}; "
                         f"known tenants: {sorted(self._budgets)}"
                     )
+                if query.model is not None:
+                    try:
+                        self.cluster.models_named(query.model)
+                    except KeyError as exc:
+                        raise BadMessage(f"query {query.id}: {exc.args[0]}") from None
             except BadMessage as exc:
                 self._dead_letter(outs, it, exc.reason, "validate", now)
                 outcome.dead_letters += 1
@@ -557,6 +562,9 @@ class RouterService:
             }
         else:
             spent = await self._spent(period_ids)
+            self.metrics.observe_budgets(
+                {t: b.budget_usd for t, b in self._budgets.items()}, spent
+            )
         elapsed = max(self.config.window_s, now - self._last_window_s)
         self._last_window_s = now
         budget, tenant_windows = window_budget(

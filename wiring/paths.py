@@ -8,6 +8,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# the cluster every command uses when given none (``--cluster`` or ``$SWITCHYARD_CLUSTER``)
+DEFAULT_CLUSTER = REPO_ROOT / "configs" / "demo-cluster.yaml"
+
+
 def shared_dir() -> Path:
     """``$SWITCHYARD_SHARED``, else ``../shared`` beside the repository root."""
     env = os.environ.get("SWITCHYARD_SHARED")

@@ -57,6 +57,14 @@ class WorkerMetrics:
         self.cost_usd = Counter(
             "switchyard_worker_cost_usd", "Cost of published results", names, registry=r
         ).labels(**lab)
+        self._slo = Counter(
+            "switchyard_worker_slo",
+            "Results by whether their TTFT met the query's SLO",
+            [*names, "outcome"],
+            registry=r,
+        )
+        self.slo_met = self._slo.labels(**lab, outcome="met")
+        self.slo_missed = self._slo.labels(**lab, outcome="missed")
         self.output_tokens = Counter(
             "switchyard_worker_output_tokens", "Tokens generated", names, registry=r
         ).labels(**lab)

@@ -56,6 +56,7 @@ from wiring.settings import Settings
 from workers.backends.base import Backend, Generation, GenerationRequest
 from workers.metrics import WorkerMetrics, serve_metrics
 from workers.offsets import OffsetTracker
+from workers.relay import RelayWriter
 from workers.timings import MAX_STEPS_PER_MESSAGE, RequestTiming, StepBatch
 
 log = logging.getLogger(__name__)
@@ -495,8 +496,11 @@ class Worker:
                     self.metrics.in_flight.inc()
                     running_before = self._running
                     self._running += 1
+                    relay = self._relay(rq, attempt)
                     try:
-                        gen = await self._generate(rq, prompt_tokens, predicted, writer)
+                        gen = await self._generate(rq, prompt_tokens, predicted, writer, relay)
+                        if relay is not None:
+                            await relay.finish(gen)
                     finally:
                         self._running -= 1
                         self.metrics.in_flight.dec()
@@ -591,8 +595,25 @@ class Worker:
                 await asyncio.sleep(0.2 * 2**attempt)
         return True
 
+    def _relay(self, rq: RoutedQuery, attempt: int) -> RelayWriter | None:
+        """A relay for a query a front door streams (``relay_topic``), else None."""
+        topic = rq.query.relay_topic
+        if topic is None or self._producer is None:
+            return None
+        producer = self._producer
+
+        async def send(topic: str, key: bytes, value: bytes) -> Any:
+            return await producer.send(topic, value=value, key=key)
+
+        return RelayWriter(send, topic, rq.query.id, max(1, attempt), self.spec.name)
+
     async def _generate(
-        self, rq: RoutedQuery, prompt_tokens: int, predicted: int, writer: _ProgressWriter
+        self,
+        rq: RoutedQuery,
+        prompt_tokens: int,
+        predicted: int,
+        writer: _ProgressWriter,
+        relay: RelayWriter | None = None,
     ) -> Generation:
         q = rq.query
         k = max(1, self.config.progress_every_tokens)
@@ -614,7 +635,13 @@ class Worker:
             )
             writer.update(prefilled, decoded)
 
-        req = GenerationRequest(q, f"{q.id}.{uuid.uuid4().hex[:8]}", prompt_tokens, predicted)
+        req = GenerationRequest(
+            q,
+            f"{q.id}.{uuid.uuid4().hex[:8]}",
+            prompt_tokens,
+            predicted,
+            on_text=relay.text if relay is not None else None,
+        )
         try:
             return await self.backend.generate(req, on_progress)
         except Exception as exc:  # a backend bug is still an error Result, never silence
@@ -662,6 +689,7 @@ class Worker:
             cost_usd=cost,
             slo_met=slo_met,
             error=gen.error,
+            finish_reason=gen.finish_reason,
             attempt=max(1, attempt),
             finished_at=gen.finished_at,
         )
@@ -679,6 +707,7 @@ class Worker:
             )
         self.metrics.cost_usd.inc(result.cost_usd)
         self.metrics.output_tokens.inc(result.output_tokens)
+        (self.metrics.slo_met if result.slo_met else self.metrics.slo_missed).inc()
         if gen.engine_ttft_ms is not None:
             self.metrics.ttft.observe(gen.engine_ttft_ms / 1000.0)
         self.metrics.e2e.observe(max(0.0, gen.finished_at - gen.sent_at))

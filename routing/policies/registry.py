@@ -7,6 +7,7 @@ from typing import Any
 
 from routing.policies.batch_ilp import BatchIlpRouter
 from routing.policies.batch_ilp_sfs import BatchIlpSfsRouter
+from routing.policies.constrained import ModelConstrained
 from routing.policies.context import RouterContext
 from routing.policies.latency_agnostic import LatencyAgnosticRouter
 from routing.policies.latency_aware import LatencyAwareRouter
@@ -32,7 +33,8 @@ ROUTERS: dict[str, Callable[..., Any]] = {
 
 def make_router(name: str, ctx: RouterContext, **options: Any) -> Router:
     """Build the policy ``name``; ``options`` go to its constructor (e.g. ``delta``,
-    ``method``, ``gap_tol``, ``deadline_ms``, ``max_ttft_rounds``)."""
+    ``method``, ``gap_tol``, ``deadline_ms``, ``max_ttft_rounds``). Every policy honours a
+    query's ``model`` (``ModelConstrained``)."""
     factory = ROUTERS.get(name)
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(ROUTERS)}")
@@ -40,4 +42,4 @@ def make_router(name: str, ctx: RouterContext, **options: Any) -> Router:
         router: Router = factory(ctx, **options)
     except TypeError as exc:
         raise ValueError(f"policy {name!r}: bad options {sorted(options)}: {exc}") from None
-    return router
+    return ModelConstrained(router, ctx.cluster)

@@ -7,25 +7,42 @@ consumer group) and all their state through Redis.
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 
 import typer
 
+from wiring.paths import DEFAULT_CLUSTER
+
 DEFAULT_POLICY = "batch-ilp-sfs"
+# ``routing.policies.ROUTERS`` by name (importing it costs seconds; a test keeps them equal)
+POLICY_NAMES = (
+    "batch-ilp",
+    "batch-ilp-sfs",
+    "latency-agnostic",
+    "latency-aware",
+    "per-query-robust",
+    "prefix-affinity",
+    "round-robin",
+    "shortest-queue",
+)
+POLICY_HELP = f"Routing policy: {', '.join(POLICY_NAMES)}; or package.module:factory"
 
 
 def register(app: typer.Typer) -> None:
     @app.command("router")
     def router(
         cluster: Path = typer.Option(
-            ..., "--cluster", help="Cluster YAML/JSON (models, instances, tenants)"
+            DEFAULT_CLUSTER,
+            "--cluster",
+            envvar="SWITCHYARD_CLUSTER",
+            help="Cluster YAML/JSON (models, instances, tenants)",
         ),
-        policy: str = typer.Option(
-            DEFAULT_POLICY, "--policy", help="Policy name in routing.policies, or module:factory"
-        ),
+        policy: str = typer.Option(DEFAULT_POLICY, "--policy", help=POLICY_HELP),
         predictor: Path | None = typer.Option(
-            None, "--predictor", help="Quality predictor artefact"
+            None,
+            "--predictor",
+            help="Quality predictor artefact (default: trained once from the vendored "
+            "routing data and cached under $SWITCHYARD_HOME/predictors)",
         ),
         window_ms: float = typer.Option(50.0, "--window-ms", min=1.0, help="Routing window"),
         max_batch: int = typer.Option(
@@ -50,6 +67,9 @@ def register(app: typer.Typer) -> None:
         ),
         metrics_port: int = typer.Option(
             0, "--metrics-port", help="Prometheus /metrics port (0: none)"
+        ),
+        metrics_host: str = typer.Option(
+            "127.0.0.1", "--metrics-host", help="Address /metrics listens on (0.0.0.0: all)"
         ),
         app_id: str = typer.Option("switchyard-router", "--app-id", help="Kafka consumer group"),
         commit_interval_s: float = typer.Option(
@@ -76,15 +96,17 @@ def register(app: typer.Typer) -> None:
         from streams.policy import PolicyError, load_router
         from streams.rescue import RescueConfig
         from streams.service import RouterConfig
+        from switchyard.logs import configure_logging, logging_dict_config
         from wiring import kafka_admin, topics
+        from wiring.paths import state_dir
         from wiring.settings import Settings, SettingsError
 
-        logging.basicConfig(
-            level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        configure_logging(loglevel)
         try:
             settings = Settings.from_env()
             spec = ClusterConfig.from_file(cluster)
+            if predictor is None and ":" not in policy:
+                predictor = _default_predictor()
             chosen = load_router(policy, spec, predictor)
             rescue = (
                 RescueConfig(grace_s=rescue_grace_s, lease_s=rescue_lease_s)
@@ -110,7 +132,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1) from None
         metrics = RouterMetrics()
         if metrics_port:
-            metrics.serve(metrics_port)
+            metrics.serve(metrics_port, metrics_host)
         config = RouterConfig(
             window_s=window_ms / 1000.0,
             max_batch=max_batch,
@@ -130,6 +152,7 @@ def register(app: typer.Typer) -> None:
             commit_interval_s=commit_interval_s,
             offset_reset=offset_reset,
             rescue=rescue,
+            datadir=state_dir() / "faust" / app_id,
         )
         typer.echo(
             f"router {app_id}: policy {getattr(chosen, 'name', policy)}, window {window_ms:g} ms, "
@@ -137,4 +160,32 @@ def register(app: typer.Typer) -> None:
             f"Redis {settings.redis_display()}",
             err=True,
         )
-        run(runtime, loglevel=loglevel)
+        run(runtime, loglevel=loglevel, logging_config=logging_dict_config(loglevel))
+
+
+def _default_predictor() -> Path:
+    """The shipped recipe's artefact: trained on first use (with progress), then cached."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from offline.predictor import DEFAULT_RECIPE, cached_path, ensure_default_predictor
+    from wiring.paths import state_dir
+
+    cache = state_dir() / "predictors"
+    if cached_path(cache, DEFAULT_RECIPE).exists():
+        return cached_path(cache, DEFAULT_RECIPE)
+    console = Console(stderr=True)
+    console.print(
+        "no --predictor: training the default quality predictor from the vendored routing "
+        f"data once (cached in {cache}) …"
+    )
+    cols = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=False) as bar:
+        task = bar.add_task("predictor", total=3)
+
+        def step(msg: str) -> None:
+            bar.update(task, description=msg, advance=1)
+
+        path = ensure_default_predictor(cache, DEFAULT_RECIPE, step)
+        bar.update(task, completed=3)
+    return path

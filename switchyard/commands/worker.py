@@ -12,6 +12,8 @@ from typing import Any
 
 import typer
 
+from wiring.paths import DEFAULT_CLUSTER
+
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
@@ -45,7 +47,12 @@ def register(app: typer.Typer) -> None:
             ..., "--instance", help="Instance id (as in the cluster file)"
         ),
         cluster: Path = typer.Option(
-            ..., "--cluster", help="Cluster config (.yaml/.json)", exists=True, dir_okay=False
+            DEFAULT_CLUSTER,
+            "--cluster",
+            envvar="SWITCHYARD_CLUSTER",
+            help="Cluster config (.yaml/.json)",
+            exists=True,
+            dir_okay=False,
         ),
         backend: str = typer.Option(
             "vllm", "--backend", help="vllm (OpenAI-compatible HTTP) or sim (in-process)"
@@ -68,12 +75,12 @@ def register(app: typer.Typer) -> None:
             1.0, "--time-scale", help="sim backend: engine seconds per wall second"
         ),
         seed: int = typer.Option(0, "--seed"),
-        log_level: str = typer.Option("INFO", "--log-level"),
+        log_level: str = typer.Option("WARNING", "--log-level"),
     ) -> None:
         """Consume route.<INSTANCE>, run the backend, publish results (at-least-once)."""
-        logging.basicConfig(
-            level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        from switchyard.logs import configure_logging
+
+        configure_logging(log_level)
         from schemas import ClusterConfig
         from wiring.settings import Settings, SettingsError
 
@@ -110,7 +117,11 @@ def register(app: typer.Typer) -> None:
             None, "--coefficients", help="Eq. 9 c0,c1,c2,c3 in ms (instead of a profile)"
         ),
         cluster: Path | None = typer.Option(
-            None, "--cluster", help="Take model, profile and scheduler from this file"
+            None,
+            "--cluster",
+            envvar="SWITCHYARD_CLUSTER",
+            help="Take model, profile and scheduler from this file (with --instance), or "
+            "the model name for --profile (default: the demo cluster)",
         ),
         instance: str | None = typer.Option(
             None, "--instance", help="With --cluster: serve this instance's model"
@@ -126,11 +137,17 @@ def register(app: typer.Typer) -> None:
         no_usage: bool = typer.Option(
             False, "--no-usage", help="Ignore stream_options.include_usage"
         ),
+        log_level: str = typer.Option("WARNING", "--log-level"),
     ) -> None:
-        """Serve the OpenAI API (vLLM flavour) over the simulated engine in wall-clock time."""
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        """Serve the OpenAI API (vLLM flavour) over the simulated engine in wall-clock time.
+
+        The served model name: --model; else the model of --cluster/--instance; else the
+        model that --profile serves in the cluster (--cluster, default the demo cluster),
+        so that workers of that cluster find it; else the profile name.
+        """
+        from switchyard.logs import configure_logging
+
+        configure_logging(log_level)
         from schemas import ClusterConfig, SchedulerConfig
         from workers.fake_vllm import FakeVllmConfig, build_server
         from workers.realtime import parse_coefficients
@@ -139,15 +156,17 @@ def register(app: typer.Typer) -> None:
         coef: Any = None
         served = model
         try:
-            if cluster is not None:
-                if instance is None:
-                    raise ValueError("--cluster needs --instance")
+            if instance is None and served is None and profile:
+                served = served_name_for_profile(profile, cluster or DEFAULT_CLUSTER)
+            if cluster is not None and instance is not None:
                 spec = ClusterConfig.from_file(cluster).model_of(instance)
                 sched, coef, profile = spec.scheduler, spec.step_time, profile or spec.profile
                 served = served or spec.name
                 mean_output_tokens = spec.mean_output_tokens or mean_output_tokens
             if coefficients is not None:
                 coef = parse_coefficients(coefficients)
+            if instance is not None and cluster is None:
+                raise ValueError("--instance needs --cluster FILE")
             if coef is None and not profile:
                 raise ValueError(
                     "give --profile NAME, --coefficients c0,c1,c2,c3 or --cluster FILE --instance ID"
@@ -170,6 +189,25 @@ def register(app: typer.Typer) -> None:
         except (KeyError, ValueError, OSError) as exc:
             raise _fail(_describe(exc)) from None
         asyncio.run(_serve(server, host, port))
+
+
+def served_name_for_profile(profile: str, cluster: Path) -> str | None:
+    """The model that ``profile`` serves in ``cluster`` (the one its workers ask for).
+
+    None (serve the profile's name) when no model uses the profile; ``ValueError`` when
+    several do (``--model`` or ``--instance`` must say which).
+    """
+    from schemas import ClusterConfig
+
+    if not cluster.exists():
+        return None
+    names = [m.name for m in ClusterConfig.from_file(cluster).models if m.profile == profile]
+    if len(names) > 1:
+        raise ValueError(
+            f"models {names} of {cluster} all use profile {profile!r}: pass --model NAME "
+            "or --cluster FILE --instance ID"
+        )
+    return names[0] if names else None
 
 
 def _backend(
@@ -240,10 +278,12 @@ async def _run_worker(
         settings,
         state,
     )
-    log.info(
-        "worker %s: %s backend, model %s, concurrency %d, Kafka %s, Redis %s",
-        instance, backend.name, w.spec.name, w.concurrency, settings.kafka, settings.redis_display(),
-    )  # fmt: skip
+    # the two lines a worker always says (start and stop), whatever the log level
+    typer.echo(
+        f"worker {instance}: {backend.name} backend, model {w.spec.name}, concurrency "
+        f"{w.concurrency}, Kafka {settings.kafka}, Redis {settings.redis_display()}",
+        err=True,
+    )
     try:
         await w.run(stop)
     except WorkerFatal as exc:
@@ -251,7 +291,7 @@ async def _run_worker(
         return 1
     finally:
         await state.close()
-    log.info("worker %s stopped: %s", instance, w.counts)
+    typer.echo(f"worker {instance} stopped: {w.counts}", err=True)
     return 0
 
 

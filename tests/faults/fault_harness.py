@@ -247,9 +247,12 @@ class OwnedServices:
             with contextlib.suppress(HarnessError):
                 wait_until(lambda: _reaped(rec.pid) or not rec.alive(), 30, "Kafka to exit")
         services.down(self.home)
-        for child in self._extra:
+        for child in self._extra:  # reap restarted brokers (a SIGKILLed JVM takes a moment)
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
-                child.wait(timeout=0)
+                if child.poll() is None:
+                    child.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=15)
 
 
 def _reaped(pid: int) -> bool:

@@ -27,6 +27,9 @@ TITLES = {
     "6_hostile_input": "6. 100,000 hostile messages interleaved with valid traffic",
     "7_adversarial_budget": "7. Adversarial budget bursts",
     "8_security": "8. Security from configuration",
+    "9_router_group": "9. Three routers in one group: kill -9 one, SIGSTOP another for 30 s",
+    "10_redis_failover": "10. Redis primary kill -9, replica promoted",
+    "11_engine_faults": "11. Engines killed, frozen and failing under the vllm backend",
 }
 
 

@@ -126,3 +126,26 @@ def test_weights_digest_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_auto_picks_hybrid() -> None:
     assert make_featurizer("auto").name == "hybrid"
+
+
+def test_word_cache_gives_the_tokenizers_ids(tok: object) -> None:
+    texts = [
+        "What's the capital of France? Paris, I think.",
+        "关于：中国古代史\n问题：秦朝的首都是哪里？",
+        "Solve 3x + 5 = 20 for x; then x = 5.",
+        "",
+        "naïve café déjà-vu",
+    ]
+    cache = minilm.WordPieceCache(tok)
+    ids, lens = cache.ids(texts)
+    assert lens.tolist() == [len(tok.encode(t, add_special_tokens=False).ids) for t in texts]  # type: ignore[attr-defined]
+    off = np.concatenate(([0], np.cumsum(lens)))
+    for i, t in enumerate(texts):
+        assert ids[off[i] : off[i + 1]].tolist() == tok.encode(t, add_special_tokens=False).ids  # type: ignore[attr-defined]
+    # a bounded cache starts afresh when full and still answers the same
+    small = minilm.WordPieceCache(tok, max_words=8)
+    for _ in range(3):
+        again, again_lens = small.ids(texts)
+        np.testing.assert_array_equal(again, ids)
+        np.testing.assert_array_equal(again_lens, lens)
+    assert len(small.index) <= max(8, len(cache.index))

@@ -311,7 +311,7 @@ def test_no_instances_rejects_and_unknown_policy_is_named() -> None:
         make_router("fastest", context())
     with pytest.raises(ValueError, match="bad options"):
         make_router("round-robin", context(), delta=1.0)
-    assert make_router("latency-aware", context(), robust=True).robust  # type: ignore[attr-defined]
+    assert make_router("latency-aware", context(), robust=True).inner.robust  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="delta must be"):
         make_router("latency-aware", context(), delta=float("nan"))
 

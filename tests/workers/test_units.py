@@ -288,3 +288,29 @@ async def test_sim_backend_answers_a_prompt_beyond_its_context_with_an_error() -
     assert got_big.error and "prompt of 4096 tokens" in got_big.error
     assert "context of 4096 tokens" in got_big.error
     assert got_small.error is None and got_small.output_tokens == 4
+
+
+def test_prefix_counters_from_real_vllm_metrics_and_the_reconciler() -> None:
+    from pathlib import Path
+
+    from workers.prefix_reconcile import PrefixReconciler, parse_prefix_counters
+
+    sample = Path(__file__).resolve().parents[2].parent / "shared" / "vllm" / "metrics_sample.txt"
+    if sample.exists():  # a real vLLM 0.32 /metrics page (../shared)
+        assert parse_prefix_counters(sample.read_text()) == (29.0, 0.0)
+    page = (
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 1000.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 500.0\n'
+    )
+    assert parse_prefix_counters(page) == (2000.0, 500.0)
+    assert parse_prefix_counters("vllm:num_requests_running 3\n") is None
+    rec = PrefixReconciler(capacity_tokens=100_000.0, max_tokens=100_000.0)
+    assert rec.scrape((0.0, 0.0)) is None  # the first scrape only sets the baseline
+    rec.served(40_000.0)  # the model predicted 40k cached tokens ...
+    new = rec.scrape((60_000.0, 10_000.0))  # ... the engine found 10k
+    assert new == 50_000.0 and rec.capacity_tokens == 50_000.0  # halved (the most per step)
+    assert rec.engine_hit_rate == pytest.approx(1 / 6)
+    rec.served(5_000.0)
+    assert rec.scrape((70_000.0, 15_000.0)) is None  # as predicted: unchanged
+    assert rec.scrape((10.0, 0.0)) is None  # counters went down: engine restarted

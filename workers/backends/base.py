@@ -15,6 +15,7 @@ from typing import Protocol
 from schemas import Query
 
 ProgressFn = Callable[[int, int], None]  # (prefilled_tokens, decoded_tokens)
+TextFn = Callable[[str], None]  # a piece of output text, as the engine streams it
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class GenerationRequest:
     request_id: str  # unique per attempt (a re-delivered query gets a new one)
     prompt_tokens: int  # the producer's count, else an estimate
     predicted_output_tokens: int
+    on_text: TextFn | None = None  # set when the text is relayed while it streams
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Generation:
     error: str | None = None
     attempts: int = 1
     usage_reported: bool = False  # token counts from the engine's usage, not counted chunks
+    finish_reason: str | None = None  # the engine's ("stop", "length", …), when it said
 
     @property
     def engine_ttft_ms(self) -> float | None:

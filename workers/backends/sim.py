@@ -63,6 +63,7 @@ class SimBackend:
     async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
         q = req.query
         seed_text = f"{q.seed}\x1f{q.text()}" if q.seed is not None else q.text()
+        cap = q.output_cap_tokens() or self.spec.max_output_tokens
         n_out = synth.output_tokens(
             q.output_cap_tokens(),
             seed_text,
@@ -82,6 +83,8 @@ class SimBackend:
                     continue
                 if first is None and ev.tokens > 0:
                     first = ev.wall_s
+                if req.on_text is not None and ev.tokens > tokens:
+                    req.on_text(synth.tokens_text(seed_text, tokens, ev.tokens))
                 tokens = ev.tokens
                 on_progress(ev.prefilled_tokens, ev.tokens)
         except (RuntimeError, ValueError) as exc:
@@ -102,4 +105,5 @@ class SimBackend:
             first_token_at=first,
             finished_at=time.time(),
             usage_reported=True,
+            finish_reason="length" if tokens >= cap else "stop",
         )

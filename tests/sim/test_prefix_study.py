@@ -1,0 +1,68 @@
+"""The prefix study's workloads (sim.prefix_study): ShareGPT-style conversations become
+multi-turn arrivals whose turns extend the previous prompt; a truncated dataset file still
+yields its complete records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from routing.datasets import RoutingData
+from schemas.prefix import TEXT_BLOCK_BYTES
+from sim import prefix_study as ps
+from sim.traffic import SloSpec
+
+
+def conversation(turns: int, k: int) -> dict[str, object]:
+    msgs = []
+    for t in range(turns):
+        msgs.append({"from": "human", "value": f"question {k}.{t} " + "q" * 1500})
+        msgs.append({"from": "gpt", "value": "a" * (400 * (t + 1))})
+    return {"id": f"c{k}", "conversations": msgs}
+
+
+def test_a_truncated_json_array_yields_its_complete_records(tmp_path: Path) -> None:
+    body = json.dumps([conversation(2, k) for k in range(3)])
+    cut = tmp_path / "cut.json"
+    cut.write_text(body[: len(body) - 40], encoding="utf-8")  # inside the last record
+    assert [r["id"] for r in ps.read_json_records(cut)] == ["c0", "c1"]
+    whole = tmp_path / "whole.json"
+    whole.write_text(body, encoding="utf-8")
+    assert len(ps.read_json_records(whole)) == 3
+
+
+def test_conversations_become_turns_that_extend_each_other(tmp_path: Path) -> None:
+    path = tmp_path / "sg.json"
+    data = [conversation(3, k) for k in range(4)] + [conversation(1, 9)]  # one turn: dropped
+    path.write_text(json.dumps(data), encoding="utf-8")
+    convs = ps.load_sharegpt(path, 10, np.random.default_rng(0))
+    assert len(convs) == 4 and all(len(c.prompts) == 3 for c in convs)
+    c = convs[0]
+    assert c.prompts[1].startswith(c.prompts[0]) and c.output_tokens == [100, 200, 300]
+    rd = RoutingData(
+        texts=["t0", "t1"],
+        tasks=["x", "x"],
+        models=["m"],
+        scores=np.array([[0.5], [0.7]]),
+        prompt_tokens=np.array([10, 10]),
+        output_tokens=np.full((2, 1), np.nan),
+        input_usd_per_token=np.array([1e-7]),
+        output_usd_per_token=np.array([1e-7]),
+        query_ids=["a", "b"],
+        cost_usd=np.full((2, 1), np.nan),
+    )
+    w = ps.sharegpt_workload(rd, convs, 1.0, np.random.default_rng(1), SloSpec.parse("fixed:1000"))
+    assert w.n == 12 and w.prefix_hashes is not None
+    assert w.prefix_block_tokens == TEXT_BLOCK_BYTES // 4
+    # each turn's hashes extend an earlier turn's (its previous one)
+    extends = 0
+    for i in range(w.n):
+        for j in range(i):
+            hi, hj = w.prefix_hashes[i], w.prefix_hashes[j]
+            if hj.size and hi.size > hj.size and (hi[: hj.size] == hj).all():
+                extends += 1
+                break
+    assert extends == 8  # turns 2 and 3 of each of the 4 conversations
+    assert (np.diff(w.arrival_s) >= 0).all()
