@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -124,14 +125,19 @@ class WindowPrefixes:
         present = cached[np.minimum(pos, cached.size - 1)] == self.hashes
         return self._leading_run(present)
 
+    @cached_property
+    def _offset(self) -> IntArray:
+        """Each block's position within its row."""
+        idx = np.arange(self.hashes.size, dtype=np.int64)
+        out: IntArray = idx - np.repeat(self.starts[:-1], self.n_blocks)
+        return out
+
     def _leading_run(self, flags: npt.NDArray[np.bool_]) -> IntArray:
         """Per row, the length of the leading run of True in its slice of ``flags``."""
         n = self.n
         total = self.hashes.size
-        idx = np.arange(total, dtype=np.int64)
-        row_start = np.repeat(self.starts[:-1], self.n_blocks)
         # first miss of each row (its block count when every block is present)
-        miss = np.where(flags, total + 1, idx - row_start)
+        miss = np.where(flags, total + 1, self._offset)
         nb = self.n_blocks
         out = nb.copy()
         has = nb > 0
@@ -144,28 +150,33 @@ class WindowPrefixes:
         """Per query, prompt tokens an instance holding ``cached`` need not prefill."""
         return self._tokens(self.leading_blocks(cached))
 
+    @cached_property
+    def _shared_all(self) -> IntArray:
+        """``[n, n]``: tokens of query a's prompt that query b shares (any order)."""
+        n = self.n
+        nb = self.n_blocks
+        if n < 2 or not nb.any():
+            return np.zeros((n, n), dtype=np.int64)
+        _, inv = np.unique(self.hashes, return_inverse=True)
+        owner = np.repeat(np.arange(n), nb)
+        inc = np.zeros((n, int(inv.max()) + 1), dtype=np.float64)
+        inc[owner, inv] = 1.0
+        common = np.rint(inc @ inc.T).astype(np.int64)  # [a, b] hashes in common
+        whole = np.floor(self.prompt_tokens / self.block_tokens + 1e-9).astype(np.int64)
+        blocks = np.minimum(common, np.minimum(whole, nb)[None, :])
+        tokens = np.floor(blocks * self.block_tokens[:, None] + 1e-9).astype(np.int64)
+        out: IntArray = np.maximum(np.minimum(tokens, (self.prompt_tokens - 1)[:, None]), 0)
+        return out
+
     def shared_matrix(self, rows: IntArray) -> IntArray:
         """``[m, m]`` tokens of query ``rows[a]``'s prompt that ``rows[b]`` (b < a) shares:
         their common leading blocks (for chained hashes, the number of a's hashes that b
-        holds), at most b's whole blocks (all it will cache), capped one token short."""
+        holds), at most b's whole blocks (all it will cache), capped one token short. The
+        window's whole matrix is built once (one BLAS product) and sliced."""
         r = np.asarray(rows, dtype=np.int64)
-        m = int(r.size)
-        out = np.zeros((m, m), dtype=np.int64)
-        nb = self.n_blocks[r]
-        if m < 2 or not nb.any():
-            return out
-        parts = [self.hashes[self.starts[i] : self.starts[i + 1]] for i in r.tolist()]
-        flat = np.concatenate(parts)
-        _, inv = np.unique(flat, return_inverse=True)
-        owner = np.repeat(np.arange(m), nb)
-        inc = np.zeros((m, int(inv.max()) + 1), dtype=np.int64)
-        inc[owner, inv] = 1
-        common = inc @ inc.T  # [a, b] hashes in common
-        whole = np.floor(self.prompt_tokens[r] / self.block_tokens[r] + 1e-9).astype(np.int64)
-        blocks = np.minimum(common, np.minimum(whole, nb)[None, :])
-        tokens = np.floor(blocks * self.block_tokens[r][:, None] + 1e-9).astype(np.int64)
-        tokens = np.minimum(tokens, (self.prompt_tokens[r] - 1)[:, None])
-        out[:] = np.tril(np.maximum(tokens, 0), -1)
+        if r.size < 2:
+            return np.zeros((r.size, r.size), dtype=np.int64)
+        out: IntArray = np.tril(self._shared_all[np.ix_(r, r)], -1)
         return out
 
     def sharing(self) -> tuple[IntArray, IntArray]:
