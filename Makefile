@@ -35,7 +35,8 @@ test: lint
 # small machine; .ci/run runs both.
 test-cluster: install
 	SWITCHYARD_HOME=$(CURDIR)/.switchyard/test-cluster $(BIN)/python -m switchyard.testrun --clusters -- \
-		$(BIN)/pytest -q -ra --durations=15 --timeout=600 tests/clusters tests/state \
+		$(BIN)/pytest -q -ra --durations=15 --timeout=600 tests/clusters tests/state/test_store.py \
+		tests/state/test_claims.py tests/state/test_ledger_rebuild.py tests/state/test_secure_redis.py \
 		tests/integration/test_end_to_end.py $(PYTEST_ARGS)
 
 # The pure suite only (no Kafka, no Redis).

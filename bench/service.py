@@ -67,6 +67,29 @@ def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
     }
 
 
+def redis_commands(url: str) -> int:
+    """Commands processed so far by the Redis server, or by every primary of a cluster URL."""
+    import redis
+
+    from state.cluster import is_cluster_url, parse_cluster_url
+
+    urls = (
+        [f"redis://{h}:{p}/0" for h, p in parse_cluster_url(url).nodes]
+        if is_cluster_url(url)
+        else [url]
+    )
+    total = 0
+    for u in urls:
+        client = redis.Redis.from_url(u, socket_timeout=5)
+        try:
+            if is_cluster_url(url) and client.info("replication").get("role") != "master":
+                continue
+            total += int(client.info("stats")["total_commands_processed"])
+        finally:
+            client.close()
+    return total
+
+
 async def heartbeat_loop(store: object, spec: dict[str, object], stop: asyncio.Event) -> None:
     while not stop.is_set():
         for inst in spec["instances"]:  # type: ignore[attr-defined]
@@ -266,6 +289,12 @@ def main() -> int:
         "--policy", default="round-robin", help="a routing.policies name, or module:factory"
     )
     ap.add_argument(
+        "--clusters",
+        action="store_true",
+        help="on a local 3-broker Kafka (replication 3, min ISR 2) and a Redis Cluster "
+        "(3 primaries, 1 replica each) started and stopped here",
+    )
+    ap.add_argument(
         "--latency-rate",
         type=float,
         default=0.0,
@@ -285,7 +314,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     redis_url = os.environ.get("SWITCHYARD_REDIS")
     kept = False
     try:
-        if not bootstrap or not redis_url:
+        if args.clusters:
+            from switchyard import clusters
+
+            started.append("clusters")
+            redis_url = clusters.redis_cluster_url(
+                clusters.redis_cluster_up(3, replicas=1, home=home)
+            )
+            bootstrap = ",".join(r.address for r in clusters.kafka_cluster_up(3, home=home))
+            os.environ["SWITCHYARD_KAFKA_REPLICATION_FACTOR"] = "3"  # the routers' topics
+        elif not bootstrap or not redis_url:
             recs = {n: r for n, r in services.load_records().items() if r.alive()}
             if "kafka" in recs and "redis" in recs and not bootstrap and not redis_url:
                 bootstrap, redis_url = recs["kafka"].address, recs["redis"].address
@@ -306,7 +344,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         print(f"bench: logs kept in {home}", file=sys.stderr)
         raise
     finally:
-        if started:
+        if "clusters" in started:
+            from switchyard import clusters
+
+            clusters.down(home)
+        elif started:
             services.down(home, names=started)
         if not kept:
             shutil.rmtree(home, ignore_errors=True)
@@ -376,7 +418,9 @@ async def flood(
         )
         await consumer.start()
         try:
+            commands_before = redis_commands(redis_url)
             through = await phase(bootstrap, store, consumer, rid, "t", n_through, 0.0)
+            commands = redis_commands(redis_url) - commands_before
             # latency at a load the router sustains: 30% of the measured throughput
             lat_rate = args.latency_rate or max(
                 100.0, round(0.3 * float(through["routed_per_s"]), -2)
@@ -393,6 +437,13 @@ async def flood(
             "flood_added_ms_p99": round(float(through["added_ms_p99"]), 1),
             "queries": {"throughput": through["routed"], "latency": latency["routed"]},
             "routers": args.routers,
+            # every command any client sent the Redis primaries during the flood, per routed
+            # query (routers, the discarding workers' slot releases, heartbeats)
+            "redis_commands_per_query": round(commands / max(1, int(through["routed"])), 2),
+            "kafka": "3 brokers, replication 3, min.insync.replicas 2"
+            if args.clusters
+            else "1 broker",
+            "redis": "Redis Cluster, 3 primaries + 3 replicas" if args.clusters else "1 server",
             "partitions": args.partitions,
             "instances": args.instances,
             "max_batch": args.max_batch,
