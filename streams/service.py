@@ -39,7 +39,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from routing.types import Router
@@ -147,6 +147,11 @@ class WindowOutcome:
     final_errors: int = 0
     dropped_duplicates: int = 0
     resent: int = 0  # redelivered queries whose crashed router's decision was sent again
+
+    def add(self, other: WindowOutcome) -> None:
+        """Count ``other`` in as well (the windows ``_isolate`` runs one input at a time)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class RouterService:
@@ -404,9 +409,7 @@ class RouterService:
             outcome, left = await self._window([it])
             held += self._held
             retry += self._retry
-            for name in ("routed", "held", "dead_letters", "final_errors", "resent"):
-                setattr(total, name, getattr(total, name) + getattr(outcome, name))
-            total.dropped_duplicates += outcome.dropped_duplicates
+            total.add(outcome)
             if left and id(it) in mine:
                 unfinished.append(it)
             elif not left and id(it) not in mine:
