@@ -261,6 +261,9 @@ class JobRun:
     async def _send_and_collect(self, cancel: asyncio.Event) -> str:
         queue = self.plan.todo()
         refused: list[Line] = []
+        # a refusal is final only when nothing else held a reservation at the time: while
+        # other lines are in flight their worst cases hold money that their results free
+        contested = False
         last_progress = time.monotonic()
         with (
             open(self.files.output, "a", encoding="utf-8") as out,
@@ -277,12 +280,16 @@ class JobRun:
                 ):
                     room = self.config.concurrency - len(self.in_flight)
                     chunk, queue = queue[:room], queue[room:]
-                    refused += await self._send(chunk)
+                    now_refused = await self._send(chunk)
+                    refused += now_refused
+                    contested = contested or bool(now_refused and self.in_flight)
                 if self._collect(out, err):
                     last_progress = time.monotonic()
                     await self._settle_done()
-                if refused and not queue and self.in_flight:
-                    queue, refused = refused, []  # settled results may have freed money
+                if refused and not queue and (self.in_flight or contested):
+                    # settled results may have freed money: try again, and once more when
+                    # the last result is in, so a refusal stands only against settled spend
+                    queue, refused, contested = refused, [], bool(self.in_flight)
                 if not self.in_flight and not queue:
                     break
                 limit = (

@@ -35,7 +35,9 @@ def svc(
         yield st
 
 
-def write_jobs(path: Path, n_chat: int, n_completion: int, extra: list[str] = ()) -> None:  # type: ignore[assignment]
+def write_jobs(
+    path: Path, n_chat: int, n_completion: int, extra: list[str] = (), first: list[str] = ()  # type: ignore[assignment]
+) -> None:
     models = [None, SMALL, "big"]
     calls: list[tuple[str, dict[str, Any]]] = []
     for i in range(n_chat):
@@ -48,7 +50,7 @@ def write_jobs(path: Path, n_chat: int, n_completion: int, extra: list[str] = ()
                                      "logit_bias": {"11": 5}}))  # fmt: skip
     lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
              for i, (url, body) in enumerate(sdk_bodies(calls))]  # fmt: skip
-    path.write_text("\n".join([*lines, *extra]) + "\n")
+    path.write_text("\n".join([*first, *lines, *extra]) + "\n")
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -69,8 +71,10 @@ async def test_killed_job_resumes_within_budget_with_openai_files(svc: Stack, tm
 
     src = tmp_path / "jobs.jsonl"
     bad = ['{"custom_id": "bad-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "auto"}}',
-           '{"prompt": "a legacy line", "max_tokens": 4, "id": "legacy-1"}', "not json"]  # fmt: skip
-    write_jobs(src, 90, 30, bad)
+           "not json"]  # fmt: skip
+    # first in the file, so it is sent before the budget runs out whatever the timing
+    legacy = ['{"prompt": "a legacy line", "max_tokens": 4, "id": "legacy-1"}']
+    write_jobs(src, 90, 30, bad, legacy)
     lines, _ = read_input(src, InputRules("jobs", ClusterConfig.model_validate(svc.spec)))
     bounds = sorted(cost_bound_usd(ln.query, ClusterConfig.model_validate(svc.spec)) for ln in lines)
     # worst cases are ~3-5x the actual costs here: room for roughly half the lines
