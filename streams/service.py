@@ -685,7 +685,7 @@ class RouterService:
                 outs.append((topics.route(instance_id), key, routed))
                 outs.append((topics.DECISIONS, key, dec_json))
                 routed_marks[q.id] = instance_id
-                intents[q.id] = RouteIntent(instance_id, dec_json.decode())
+                intents[q.id] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
                 latencies.append(p.inbound)
                 outcome.routed += 1
                 self._count_routed(d, q)
