@@ -26,6 +26,9 @@ class DecisionFlag(StrEnum):
     DEADLINE = "deadline"  # solver stopped at its deadline; best feasible decision returned
     REROUTED = "rerouted"  # re-routed after its instance stopped heart-beating
     MODEL_CONSTRAINED = "model_constrained"  # the query's ``model`` limited the instances
+    # deferred because the window or tenant budget could not pay for it (held for
+    # ``budget_hold_s``, not ``max_hold_s``: routing.window)
+    BUDGET_DEFERRED = "budget_deferred"
 
 
 class WindowStats(BaseModel):
