@@ -733,7 +733,7 @@ class RouterService:
             out.outs.append((topics.route(instance_id), key, routed_bytes))
             out.outs.append((topics.DECISIONS, key, dec_json))
             out.routed_marks[q.id] = instance_id
-            intents[q.id] = RouteIntent(instance_id, dec_json.decode())
+            intents[q.id] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
             out.routed_inputs.append(p.inbound)
             out.outcome.routed += 1
             self._count_routed(d, q)
