@@ -289,10 +289,13 @@ def test_service_and_simulator_windows_decide_alike(
     # ---- and the final outcome per query: what each world did with it
     routed_to: dict[str, str] = {}
     finals: dict[str, str] = {}
+    codes: dict[str, str] = {}
     for topic, key, value in sink.sent:
         inst = topics.instance_of(topic)
         if inst:
             routed_to[key.decode()] = inst
+        elif topic == topics.RESULTS:
+            codes[key.decode()] = json.loads(value)["code"]
         elif topic == topics.DECISIONS:
             d = json.loads(value)
             if not d.get("reason", "").startswith("held for a later window"):
@@ -305,3 +308,10 @@ def test_service_and_simulator_windows_decide_alike(
             assert qid not in routed_to
             want = {1: DecisionStatus.DEFERRED, 2: DecisionStatus.REJECTED}[int(res.status[i])]
             assert finals[qid] == want.value, qid
+    # a budget give-up reaches the user as such (the gateway's 429 insufficient_quota)
+    budget_given_up = {q for _, _, given in svc_trace.settled for q, r, _ in given if r == "budget"}
+    assert set(codes) == {q for q, st in finals.items() if st != "routed"}
+    for q, code in codes.items():
+        assert code == ("insufficient_quota" if q in budget_given_up else "not_routed"), q
+    if policy == "latency-aware":
+        assert budget_given_up
