@@ -15,6 +15,7 @@ from schemas.messages import (
     DecisionStatus,
     RelayChunk,
     Result,
+    ResultCode,
     RoutedQuery,
     WindowStats,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "RelayChunk",
     "ResidentRequest",
     "Result",
+    "ResultCode",
     "RoutedQuery",
     "SchedulerConfig",
     "StepTimeCoefficients",

@@ -81,8 +81,21 @@ class RoutedQuery(BaseModel):
     decision: Decision
 
 
+class ResultCode(StrEnum):
+    """Machine-readable kind of an error ``Result`` that no engine ran (``Result.code``)."""
+
+    NOT_ROUTED = "not_routed"  # the router gave up on it: no capacity, no model can hold it, …
+    INSUFFICIENT_QUOTA = "insufficient_quota"  # the router gave up: the tenant's budget is spent
+
+
 class Result(BaseModel):
-    """Body of ``results``: what a worker got back from its engine."""
+    """Body of ``results``: what a worker got back from its engine (or, with no
+    ``instance_id``, the router's final answer for a query it did not route).
+
+    ``code`` says what kind of error ``error`` is when a program must tell: set by the
+    router on the error Results it publishes (``ResultCode``); None on a success and on an
+    engine's error (older producers never set it).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -98,6 +111,7 @@ class Result(BaseModel):
     cost_usd: float = Field(default=0.0, ge=0)
     slo_met: bool | None = None
     error: str | None = None
+    code: ResultCode | None = None
     # the engine's reason for the last token ("stop", "length", "tool_calls"…), when known
     finish_reason: str | None = Field(default=None, max_length=64)
     attempt: int = Field(default=1, ge=1)

@@ -5,7 +5,8 @@ the first arrival after the previous flush and closes ``window_s`` later, or as 
 holds ``max_batch`` queries. As in ``streams/service.py``, a query that cannot be placed
 (every instance full, or deferred by the router) is *held*: it joins the next window
 (held queries first, a retry window every ``window_s`` while any are held) until
-``max_hold_s`` (``budget_hold_s`` for budget deferrals) has passed, then it is finally
+``max_hold_s`` (``budget_hold_s`` for budget deferrals) has passed since the window that
+first saw it, then it is finally
 deferred; with no free slot anywhere the router is not asked at all. Those rules
 (admission, the batch cut, hold or give up) are ``routing.window``'s, the same functions
 the service calls. At the close the cluster is advanced to that instant, the SAME
@@ -276,6 +277,7 @@ def evaluate(
     decided = np.zeros(n, dtype=np.int64)
     completed = np.zeros(n, dtype=np.int64)
     held_windows = np.zeros(n, dtype=np.int64)
+    first_seen = np.full(n, np.nan)  # virtual time of the window a query first joined
     w_budget: list[float] = []
     w_spend: list[float] = []
     w_size: list[int] = []
@@ -326,10 +328,11 @@ def evaluate(
         record(cluster.advance_to(now))
         fresh = list(range(i, end))
         i = end
+        first_seen[fresh] = now  # the service counts a hold from the window it first saw
         views = cluster.views()
         admission = admit(
             held + fresh,
-            [float(arrivals[k]) for k in held + fresh],
+            [float(first_seen[k]) for k in held + fresh],
             [v.free_slots for v in views],
             now,
             rules,
@@ -391,7 +394,7 @@ def evaluate(
                 )
             for f in d.flags:
                 flags[str(f)] = flags.get(str(f), 0) + 1
-        plan = settle(order, [float(arrivals[k]) for k in order], decisions, now, rules)
+        plan = settle(order, [float(first_seen[k]) for k in order], decisions, now, rules)
         for h in plan.held:
             held.append(h.item)  # the service holds it for the next window
             held_windows[h.item] += 1

@@ -66,6 +66,7 @@ from schemas import (
     Limits,
     Query,
     Result,
+    ResultCode,
     parse_query,
 )
 from state.store import RouteIntent, StateUnavailable
@@ -754,13 +755,13 @@ class RouterService:
             if h.reason != HoldReason.OVERFLOW:
                 self._hold_quietly(h.item, out, now, h.text)
         for g in admission.given_up:
-            self._give_up(g.item, None, g.status, g.text, now, None, out)
+            self._give_up(g.item, None, g.status, g.text, now, None, out, g.reason)
         for h in plan.held:
             pid = period_ids.get(h.item.query.tenant)
             self._hold_quietly(h.item, out, now, h.text, h.decision, pid)
         for g in plan.given_up:
             pid = period_ids.get(g.item.query.tenant)
-            self._give_up(g.item, g.decision, g.status, g.text, now, pid, out)
+            self._give_up(g.item, g.decision, g.status, g.text, now, pid, out, g.reason)
 
     async def _drop_taken(
         self, taken: Mapping[str, str], intents: Mapping[str, RouteIntent], out: WindowOutput
@@ -798,8 +799,10 @@ class RouterService:
         now: float,
         pid: str | None,
         out: WindowOutput,
+        why: HoldReason,
     ) -> None:
-        """Final answer for a query that will not be routed: a Decision and an error Result."""
+        """Final answer for a query that will not be routed: a Decision and an error Result
+        (``code`` ``insufficient_quota`` when its budget was short, else ``not_routed``)."""
         q = p.query
         final = (d or _deferred(q, reason, now)).model_copy(
             update={
@@ -819,6 +822,9 @@ class RouterService:
             instance_id="",
             model="",
             error=f"not routed ({status.value}): {reason}",
+            code=ResultCode.INSUFFICIENT_QUOTA
+            if why == HoldReason.BUDGET
+            else ResultCode.NOT_ROUTED,
             finished_at=now,
         )
         out.outs.append(
@@ -899,6 +905,7 @@ class RouterService:
                 instance_id="",
                 model="",
                 error=reason[:2000],
+                code=ResultCode.NOT_ROUTED,
                 finished_at=now,
             )
             outs.append(
