@@ -33,14 +33,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+from routing.window_defaults import BUDGET_HOLD_S as BUDGET_HOLD_S
+from routing.window_defaults import MAX_BATCH as MAX_BATCH
+from routing.window_defaults import MAX_HOLD_S as MAX_HOLD_S
+from routing.window_defaults import UNLIMITED_USD as UNLIMITED_USD
 from schemas import Decision, DecisionFlag, DecisionStatus
 
 T = TypeVar("T")
-
-UNLIMITED_USD = 1e12  # Budget needs a finite number: "no budget" is this much
-MAX_BATCH = 1000  # most queries the router is asked about in one window
-MAX_HOLD_S = 60.0  # a query waiting for capacity (or a live instance) gives up after this
-BUDGET_HOLD_S = 2.0  # a query deferred for budget gives up after this
 
 _PLACED = (DecisionStatus.ROUTED, DecisionStatus.OVER_BUDGET)
 

@@ -18,6 +18,8 @@ from schemas.messages import (
     ResultCode,
     RoutedQuery,
     WindowStats,
+    routed_query_bytes,
+    routed_query_raw,
 )
 from schemas.parse import BadMessage, Limits, decode_json, parse_model, parse_query
 from schemas.query import ChatMessage, Query
@@ -58,6 +60,8 @@ __all__ = [
     "TenantBudget",
     "WindowStats",
     "decode_json",
+    "routed_query_bytes",
+    "routed_query_raw",
     "parse_model",
     "parse_query",
 ]

@@ -73,12 +73,38 @@ class Decision(BaseModel):
 
 
 class RoutedQuery(BaseModel):
-    """Body of ``route.<instance>``: the query and the decision that sent it there."""
+    """Body of ``route.<instance>``: the query and the decision that sent it there.
+
+    The router writes it with ``routed_query_bytes`` (the query's own bytes as it received
+    them, spliced in: no re-encoding per query); ``routed_query_raw`` gets them back.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     query: Query
     decision: Decision
+
+
+_ROUTED_HEAD, _ROUTED_SEP = b'{"query":', b',"decision":'
+
+
+def routed_query_bytes(raw_query: bytes, decision_json: bytes) -> bytes:
+    """A ``RoutedQuery`` body from the query's raw JSON (validated by ``parse_query``) and
+    the decision's JSON: ``{"query":<raw>,"decision":<json>}``."""
+    return _ROUTED_HEAD + raw_query.strip() + _ROUTED_SEP + decision_json + b"}"
+
+
+def routed_query_raw(value: bytes, routed: RoutedQuery) -> bytes:
+    """The query's own body inside a routed message written by ``routed_query_bytes``, or
+    its JSON when the message is shaped otherwise (``routed`` is ``value`` parsed).
+
+    The decision's JSON cannot contain the separator (its strings escape quotes), so the
+    last one is the router's own.
+    """
+    cut = value.rfind(_ROUTED_SEP)
+    if value.startswith(_ROUTED_HEAD) and cut > len(_ROUTED_HEAD):
+        return value[len(_ROUTED_HEAD) : cut]
+    return routed.query.model_dump_json(exclude_none=True).encode()
 
 
 class ResultCode(StrEnum):

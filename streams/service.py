@@ -68,6 +68,7 @@ from schemas import (
     Result,
     ResultCode,
     parse_query,
+    routed_query_bytes,
 )
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
@@ -548,7 +549,7 @@ class RouterService:
         drops the second by query id (``workers.worker``: running or answered).
         """
         dec_json = intent.decision_json.encode()
-        routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
+        routed = routed_query_bytes(p.raw, dec_json)
         key = p.query.id.encode()
         out.outs.append((topics.route(intent.instance_id), key, routed))
         out.outs.append((topics.DECISIONS, key, dec_json))
@@ -739,7 +740,7 @@ class RouterService:
             d = d.model_copy(update=update)
             instance_id = str(d.instance_id)
             dec_json = d.model_dump_json(exclude_none=True).encode()
-            routed_bytes = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
+            routed_bytes = routed_query_bytes(p.raw, dec_json)
             key = q.id.encode()
             out.outs.append((topics.route(instance_id), key, routed_bytes))
             out.outs.append((topics.DECISIONS, key, dec_json))
