@@ -273,6 +273,27 @@ class _PausedBeforeIntent(RouterService):
             self.state = state
 
 
+async def _zombie_and_other(env, cls, tag: str, config: RouterConfig):  # type: ignore[no-untyped-def]
+    """A zombie service of ``cls`` and a window of 6 queries; ``zombie.meanwhile_later`` (to
+    set as its ``meanwhile``) has another router handle that window, its outcome in ``took``."""
+    from tests.streams.fake_router import SpreadRouter
+
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    spec = cluster(rid)
+    raws = [body(f"{rid}-{tag}{k}") for k in range(6)]
+    window = [Inbound(r, "queries", 0, k) for k, r in enumerate(raws)]
+    zombie = cls(spec, SpreadRouter(spec), store, BatchSink(producer), config, period_id=period_id)
+    other = make_service(rid, store, producer)
+    took: list[object] = []
+
+    async def meanwhile() -> None:
+        took.append((await other.handle(window))[0])
+
+    zombie.meanwhile_later = meanwhile
+    return zombie, window, took
+
+
 async def test_a_paused_router_waking_mid_window_does_not_route_again(
     env, kafka_bootstrap: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -280,22 +301,11 @@ async def test_a_paused_router_waking_mid_window_does_not_route_again(
     by another router while it was paused; when it wakes, theirs stands and it produces
     nothing for them, and gives back the slots it took."""
     rid, store, producer = env
-    await heartbeat(store, rid)
     since = int(time.time() * 1000)
-    spec = cluster(rid)
-    from tests.streams.fake_router import SpreadRouter
-
-    raws = [body(f"{rid}-z{k}") for k in range(6)]
-    window = [Inbound(r, "queries", 0, k) for k, r in enumerate(raws)]
-    zombie = _PausedBeforeIntent(spec, SpreadRouter(spec), store, BatchSink(producer),
-                                 RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
-    other = make_service(rid, store, producer)
-    took: list[object] = []
-
-    async def meanwhile() -> None:
-        took.append((await other.handle(window))[0])
-
-    zombie.meanwhile = meanwhile
+    zombie, window, took = await _zombie_and_other(
+        env, _PausedBeforeIntent, "z", RouterConfig(window_s=0.01)
+    )
+    zombie.meanwhile = zombie.meanwhile_later
     woke, unfinished = await zombie.handle(window)
     assert took and took[0].routed == 6  # type: ignore[attr-defined]
     assert woke.routed == 0 and unfinished == []
@@ -335,27 +345,15 @@ async def test_a_router_paused_in_a_redis_call_does_not_route_blind(
     those queries. A window attempt that outlasted the group session is retried instead;
     the retry finds them routed and drops them."""
     rid, store, producer = env
-    await heartbeat(store, rid)
     since = int(time.time() * 1000)
-    spec = cluster(rid)
-    from tests.streams.fake_router import SpreadRouter
-
-    raws = [body(f"{rid}-p{k}") for k in range(6)]
-    window = [Inbound(r, "queries", 0, k) for k, r in enumerate(raws)]
-    zombie = _PausedInRedisCall(spec, SpreadRouter(spec), store, BatchSink(producer),
-                                RouterConfig(window_s=0.01, group_session_s=0.2),
-                                period_id=period_id)  # fmt: skip
-    other = make_service(rid, store, producer)
-    took: list[object] = []
-
-    async def meanwhile() -> None:
-        took.append((await other.handle(window))[0])
-
+    zombie, window, took = await _zombie_and_other(
+        env, _PausedInRedisCall, "p", RouterConfig(window_s=0.01, group_session_s=0.2)
+    )
     # a window before the stop: the zombie knows the instances and the budget (what it
     # would route blind from)
     warm, _ = await zombie.handle([Inbound(body(f"{rid}-w"), "queries", 1, 0)])
     assert warm.routed == 1
-    zombie.meanwhile = meanwhile
+    zombie.meanwhile = zombie.meanwhile_later
     woke, unfinished = await zombie.handle(window)
     assert took and took[0].routed == 6  # type: ignore[attr-defined]
     assert woke.routed == 0 and len(unfinished) == 6  # retried, not routed blind
