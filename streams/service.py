@@ -148,6 +148,9 @@ class RouterConfig:
     # while Redis is unreachable a tenant may spend this share of its last known remaining
     # budget (each router its own share: keep it <= 1 / number of routers)
     blind_budget_fraction: float = 0.5
+    # the router's consumer-group session (Faust ``broker_session_timeout``): a window attempt
+    # that outlasted it (the process was paused) no longer knows which inputs are its own
+    group_session_s: float = 10.0
 
     @property
     def window(self) -> WindowSettings:
@@ -312,6 +315,7 @@ class RouterService:
         try:
             out = WindowOutput()
             blind = False
+            attempt_t0 = time.monotonic()
             try:
                 await self._blind.flush(
                     self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
@@ -326,6 +330,12 @@ class RouterService:
                     await self._route(candidates, out)
             except Exception as exc:
                 if not _state_error(exc):
+                    raise
+                if time.monotonic() - attempt_t0 > self.config.group_session_s:
+                    # not an outage: this router was paused mid-call past its group session (a
+                    # zombie; the timeout ran out while it was stopped). Its inputs are likely
+                    # another router's by now, and blind routing has no cross-router check
+                    # (scenario 9: routed twice); retry the window once the group settled
                     raise
                 # Redis is away: nothing was produced yet; route this window blind instead
                 self.metrics.errors.labels(type(exc).__name__).inc()
