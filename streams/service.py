@@ -306,6 +306,8 @@ class RouterService:
     # ------------------------------------------------------------------ one window
 
     async def _window(self, items: list[Inbound]) -> tuple[WindowOutcome, list[Inbound]]:
+        """One window: decide (``_decide_window``), produce and commit (``_commit``), then
+        release what is finished (``_finish``); a failure is contained (``_failed``)."""
         t_start = time.perf_counter()
         retry = [it for it in self._retry if self._keep(it)]
         held = [p for p in self._held if self._keep(p.inbound)]
@@ -313,106 +315,127 @@ class RouterService:
         batch_items = retry + items
         self._stage = "validate"
         try:
-            out = WindowOutput()
-            blind = False
-            attempt_t0 = time.monotonic()
-            try:
-                await self._blind.flush(
-                    self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
-                )
-                # a Redis back without its ledger: blind until it is rebuilt from Kafka
-                if self._ledger_guard is not None and not await self._ledger_guard.ready(
-                    self.state
-                ):
-                    raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
-                candidates = held + await self._validate_and_dedupe(batch_items, out)
-                if candidates:
-                    await self._route(candidates, out)
-            except Exception as exc:
-                if not _state_error(exc):
-                    raise
-                if time.monotonic() - attempt_t0 > self.config.group_session_s:
-                    # not an outage: this router was paused mid-call past its group session (a
-                    # zombie; the timeout ran out while it was stopped). Its inputs are likely
-                    # another router's by now, and blind routing has no cross-router check
-                    # (scenario 9: routed twice); retry the window once the group settled
-                    raise
-                # Redis is away: nothing was produced yet; route this window blind instead
-                self.metrics.errors.labels(type(exc).__name__).inc()
-                if not self._blind_logged:  # once per outage, not once per window
-                    log.warning("Redis unreachable, routing blind until it answers: %s", exc)
-                self._blind_logged = True
-                blind, out = True, WindowOutput()
-                candidates = held + await self._validate_and_dedupe(batch_items, out, blind=True)
-                if candidates:
-                    await self._route(candidates, out, blind)
-            self._stage = "produce"
-            await self._produce(out.outs)
-            self._stage = "commit"
-            marks = out.routed_marks
-            shas = {p.query.id: p.sha for p in candidates if p.query.id in marks}
-            if blind:
-                self._blind.routed(marks, shas)
-            elif marks:
-                try:
-                    await self._mark_routed(marks)
-                except Exception as exc:
-                    if not _state_error(exc):
-                        raise
-                    log.warning("routed marks owed to Redis until it answers: %s", exc)
-                    self._blind.routed(marks, shas)
-                else:
-                    self._blind.remember(shas)
-            if not blind:
-                self._blind_logged = False
+            out, candidates, blind = await self._decide_window(batch_items, held)
+            await self._commit(out, candidates, blind)
         except Exception as exc:
-            kind = type(exc).__name__
-            stage = self._stage
-            self.metrics.errors.labels(kind).inc()
-            if not _transient(exc):
-                # this window's own failure (a bug, an input some stage chokes on): retried a
-                # bounded number of times, then its inputs one by one (``_isolate``)
-                failed = batch_items + [p.inbound for p in held]
-                tries = 0
-                for it in failed:
-                    key = _input_key(it)
-                    self._tries[key] = self._tries.get(key, 0) + 1
-                    tries = max(tries, self._tries[key])
-                log.exception(
-                    "window of %d queries failed at stage %s (try %d of %d): %s",
-                    len(failed), stage, tries, WINDOW_TRIES, exc,
-                )  # fmt: skip
-                if tries >= WINDOW_TRIES:
-                    return await self._isolate(failed, items, stage, f"{kind}: {exc}")
-            log.warning(
-                "window of %d queries will be retried: %s: %s",
-                len(batch_items) + len(held),
-                kind,
-                exc,
-            )
-            self._retry = batch_items
-            self._held = held
-            self.metrics.held.set(self.held_count)
-            await asyncio.sleep(min(1.0, self.config.window_s * 4))
-            return WindowOutcome(held=len(batch_items) + len(held)), list(items)
-
+            return await self._failed(exc, items, batch_items, held)
         if self._tries:
             for it in batch_items + [p.inbound for p in held]:
                 self._tries.pop(_input_key(it), None)
+        return self._finish(out, items, retry + [p.inbound for p in held], t_start)
+
+    async def _decide_window(
+        self, batch_items: list[Inbound], held: list[Pending]
+    ) -> tuple[WindowOutput, list[Pending], bool]:
+        """Validate, dedupe and route with Redis; when Redis is away (or its ledger is being
+        rebuilt), the same blind. Returns what to produce, the candidates, and blind or not."""
+        attempt_t0 = time.monotonic()
+        try:
+            await self._blind.flush(
+                self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
+            )
+            # a Redis back without its ledger: blind until it is rebuilt from Kafka
+            if self._ledger_guard is not None and not await self._ledger_guard.ready(self.state):
+                raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
+            out = WindowOutput()
+            candidates = held + await self._validate_and_dedupe(batch_items, out)
+            if candidates:
+                await self._route(candidates, out)
+            return out, candidates, False
+        except Exception as exc:
+            if not _state_error(exc):
+                raise
+            if time.monotonic() - attempt_t0 > self.config.group_session_s:
+                # not an outage: this router was paused mid-call past its group session (a
+                # zombie; the timeout ran out while it was stopped). Its inputs are likely
+                # another router's by now, and blind routing has no cross-router check
+                # (scenario 9: routed twice); retry the window once the group settled
+                raise
+            # Redis is away: nothing was produced yet; route this window blind instead
+            self.metrics.errors.labels(type(exc).__name__).inc()
+            if not self._blind_logged:  # once per outage, not once per window
+                log.warning("Redis unreachable, routing blind until it answers: %s", exc)
+            self._blind_logged = True
+        out = WindowOutput()
+        candidates = held + await self._validate_and_dedupe(batch_items, out, blind=True)
+        if candidates:
+            await self._route(candidates, out, True)
+        return out, candidates, True
+
+    async def _commit(self, out: WindowOutput, candidates: list[Pending], blind: bool) -> None:
+        """Produce the window's messages (acknowledged by Kafka), then mark its queries
+        routed in Redis (owed to Redis by the blind ledger while it is away)."""
+        self._stage = "produce"
+        await self._produce(out.outs)
+        self._stage = "commit"
+        marks = out.routed_marks
+        shas = {p.query.id: p.sha for p in candidates if p.query.id in marks}
+        if blind:
+            self._blind.routed(marks, shas)
+        elif marks:
+            try:
+                await self._mark_routed(marks)
+            except Exception as exc:
+                if not _state_error(exc):
+                    raise
+                log.warning("routed marks owed to Redis until it answers: %s", exc)
+                self._blind.routed(marks, shas)
+            else:
+                self._blind.remember(shas)
+        if not blind:
+            self._blind_logged = False
+
+    async def _failed(
+        self, exc: Exception, items: list[Inbound], batch_items: list[Inbound], held: list[Pending]
+    ) -> tuple[WindowOutcome, list[Inbound]]:
+        """A window that failed: retried later (Redis or Kafka away: nothing acknowledged);
+        one failing of its own is retried ``WINDOW_TRIES`` times, then input by input."""
+        kind = type(exc).__name__
+        stage = self._stage
+        self.metrics.errors.labels(kind).inc()
+        if not _transient(exc):
+            # this window's own failure (a bug, an input some stage chokes on): retried a
+            # bounded number of times, then its inputs one by one (``_isolate``)
+            failed = batch_items + [p.inbound for p in held]
+            tries = 0
+            for it in failed:
+                key = _input_key(it)
+                self._tries[key] = self._tries.get(key, 0) + 1
+                tries = max(tries, self._tries[key])
+            log.error(
+                "window of %d queries failed at stage %s (try %d of %d): %s",
+                len(failed), stage, tries, WINDOW_TRIES, exc, exc_info=exc,
+            )  # fmt: skip
+            if tries >= WINDOW_TRIES:
+                return await self._isolate(failed, items, stage, f"{kind}: {exc}")
+        log.warning(
+            "window of %d queries will be retried: %s: %s", len(batch_items) + len(held), kind, exc
+        )
+        self._retry = batch_items
+        self._held = held
+        self.metrics.held.set(self.held_count)
+        await asyncio.sleep(min(1.0, self.config.window_s * 4))
+        return WindowOutcome(held=len(batch_items) + len(held)), list(items)
+
+    def _finish(
+        self, out: WindowOutput, items: list[Inbound], earlier: list[Inbound], t_start: float
+    ) -> tuple[WindowOutcome, list[Inbound]]:
+        """After the commit: keep the held queries, release the inputs finished now.
+
+        Inputs of this call that are not finished stay unacknowledged by the caller; inputs
+        of earlier calls (``earlier``: retried or held) that are finished now are released
+        here."""
         now = time.time()
         for inbound in out.routed_inputs:
             if inbound.timestamp_s:
                 self.metrics.added_latency_seconds.observe(max(0.0, now - inbound.timestamp_s))
-        still_held = out.held
-        self._held = still_held
-        # inputs of this call that are not finished stay unacknowledged by the caller;
-        # inputs of earlier calls (held or retried) that are finished now are released here
-        pending_ids = {id(p.inbound) for p in still_held}
+        self._held = out.held
+        pending_ids = {id(p.inbound) for p in out.held}
         unfinished = [it for it in items if id(it) in pending_ids]
-        for it in retry + [p.inbound for p in held]:
+        for it in earlier:
             if id(it) not in pending_ids:
                 self._on_done(it)
-        out.outcome.held = len(still_held)
+        out.outcome.held = len(out.held)
         self.metrics.held.set(self.held_count)
         self.metrics.window_seconds.observe(time.perf_counter() - t_start)
         return out.outcome, unfinished

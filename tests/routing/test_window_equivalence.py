@@ -212,6 +212,9 @@ class _Clock:
     def perf_counter(self) -> float:
         return time.perf_counter()
 
+    def monotonic(self) -> float:
+        return time.monotonic()
+
 
 @pytest.mark.parametrize("policy", ["latency-aware", "batch-ilp-sfs"])
 def test_service_and_simulator_windows_decide_alike(
