@@ -392,6 +392,7 @@ def overspend(win: Window, out: Outcome, budget: Budget, reason: str) -> None:
         free[k] -= 1
         out.status[i] = DecisionStatus.OVER_BUDGET
         out.reasons[i] = reason
+        out.flags[i] = [f for f in out.flags[i] if f != DecisionFlag.BUDGET_DEFERRED]
 
 
 def decisions(
