@@ -614,7 +614,7 @@ class RouterService:
             # before anything is produced: a successor re-sends these rather than re-deciding
             taken = await self.state.mark_intent_many(intents)
             if taken:
-                await self._drop_taken(taken, intents, out)
+                await self._drop_taken(taken, intents, out, candidates)
 
     async def _see(self, now: float, blind: bool) -> Sight:
         """Stage 1: the live instances' views (from Redis, or the blind ledger's memory)."""
@@ -812,10 +812,21 @@ class RouterService:
             self._give_up(g.item, g.decision, g.status, g.text, now, pid, out, g.reason)
 
     async def _drop_taken(
-        self, taken: Mapping[str, str], intents: Mapping[str, RouteIntent], out: WindowOutput
+        self,
+        taken: Mapping[str, str],
+        intents: Mapping[str, RouteIntent],
+        out: WindowOutput,
+        candidates: Sequence[Pending],
     ) -> None:
         """Queries another router routed while this one was away mid-window (a zombie woken
-        from a pause longer than its group session): theirs stands, these are not produced."""
+        from a pause longer than its group session): theirs stands, these are not produced.
+
+        One whose recorded intent is not marked routed yet is sent again as recorded instead:
+        it may be this router's own, from an attempt whose produce failed (a held query in a
+        window retried after a broker outage: dropping it acknowledged a query nobody had
+        produced), or another router's still producing; an identical copy is harmless (its
+        worker drops the second by query id)."""
+        recorded = await self.state.intents(list(taken))
         keys = {q.encode() for q in taken}
         out.outs[:] = [
             o for o in out.outs
@@ -830,6 +841,10 @@ class RouterService:
                 by_instance.setdefault(mine, []).append(qid)
         for instance_id, qids in by_instance.items():  # the slot this router took for nothing
             await self.state.release_slots(instance_id, qids)
+        for p in candidates:
+            if p.query.id in recorded:
+                self._resend(p, recorded[p.query.id], out)
+                out.outcome.resent += 1
         out.outcome.routed -= len(taken)
         self.metrics.decisions.labels("taken_by_another_router").inc(len(taken))
         log.warning(

@@ -504,3 +504,59 @@ async def test_a_fault_at_each_stage_is_contained(
     else:  # commit: its worker answers it; validate: no query could be read from it
         assert poison not in results
     assert not others & set(results)  # the routed ones get no error Result
+
+
+class _SinkDownOnce:
+    """A sink whose next ``send_all`` after ``arm()`` fails as a broker away would (nothing
+    written)."""
+
+    def __init__(self, inner: BatchSink) -> None:
+        self.inner, self.armed, self.failed = inner, False, 0
+
+    def arm(self) -> None:
+        self.armed = True
+
+    async def send_all(self, outs: list[tuple[str, bytes, bytes]]) -> None:
+        if self.armed:
+            self.armed, self.failed = False, self.failed + 1
+            from aiokafka.errors import KafkaTimeoutError
+
+            raise KafkaTimeoutError("injected: broker away")
+        await self.inner.send_all(outs)
+
+
+async def test_a_held_query_whose_window_failed_to_produce_is_routed_on_the_retry(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A query held in one window (no live instance), routed in the next, whose produce
+    failed after its route intent was recorded: the retry decides it again, and must not
+    take its own recorded intent for another router's (dropped: lost)."""
+    from tests.streams.fake_router import SpreadRouter
+
+    rid, store, producer = env
+    since = int(time.time() * 1000)
+    spec = cluster(rid)
+    done: list[Inbound] = []
+    sink = _SinkDownOnce(BatchSink(producer))
+    svc = RouterService(spec, SpreadRouter(spec), store, sink, RouterConfig(window_s=0.01),
+                        on_done=done.append, period_id=period_id)  # fmt: skip
+    qid = f"{rid}-h0"
+    first, unfinished = await svc.handle([Inbound(body(qid), "queries", 0, 0)])
+    assert first.routed == 0 and len(unfinished) == 1  # held: no live instance yet
+    await heartbeat(store, rid)
+    sink.arm()
+    failed, _ = await svc.handle([])  # routed, intent recorded, produce failed
+    assert failed.routed == 0 and sink.failed == 1
+    for _ in range(5):
+        await asyncio.sleep(0.05)
+        await svc.handle([])
+        if done:
+            break
+    copies = [
+        RoutedQuery.model_validate_json(v).query.id
+        for iid in (f"{rid}-a", f"{rid}-b")
+        for _, v in await read_topic(
+            kafka_bootstrap, topics.route(iid), since, lambda got: len(got) >= 1
+        )
+    ]
+    assert copies == [qid], f"the held query was acknowledged without being routed: {copies}"
