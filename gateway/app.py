@@ -8,7 +8,8 @@ For each ``POST /v1/completions`` or ``/v1/chat/completions``:
 3. a tenant whose budget left this period cannot pay the request's worst-case cost on
    any allowed model gets a 429 (``insufficient_quota``) before anything is produced;
 4. the query is produced to ``queries`` and answered from its ``Result`` (not routed:
-   503; the engine failed: 502; no result in ``request_timeout_s``: 504), or, with
+   503, or 429 ``insufficient_quota`` when the router gave up on it for the tenant's
+   budget; the engine failed: 502; no result in ``request_timeout_s``: 504), or, with
    ``stream: true``, from the chunks its worker relays on ``relay.<gateway id>``: text
    chunks, a last chunk with the finish reason, the usage chunk when
    ``stream_options.include_usage`` is set, then ``data: [DONE]``. When relayed chunks do
@@ -34,7 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.auth import AuthError, KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.relay import RelayReader
-from schemas import BadMessage, ClusterConfig, Limits, Query, RelayChunk, Result
+from schemas import BadMessage, ClusterConfig, Limits, Query, RelayChunk, Result, ResultCode
 from schemas.openai_api import (
     chunk_body,
     error_body,
@@ -385,6 +386,8 @@ class _Stream:
 
 
 def _result_error(result: Result) -> HttpError:
+    if result.code == ResultCode.INSUFFICIENT_QUOTA:  # the router gave up on it for budget
+        return HttpError(429, str(result.error), "insufficient_quota", code="insufficient_quota")
     if not result.instance_id:
         return HttpError(503, str(result.error), "service_unavailable", code="not_routed")
     return HttpError(502, str(result.error), "engine_error", code="engine_error")

@@ -15,8 +15,11 @@ from schemas.messages import (
     DecisionStatus,
     RelayChunk,
     Result,
+    ResultCode,
     RoutedQuery,
     WindowStats,
+    routed_query_bytes,
+    routed_query_raw,
 )
 from schemas.parse import BadMessage, Limits, decode_json, parse_model, parse_query
 from schemas.query import ChatMessage, Query
@@ -50,12 +53,15 @@ __all__ = [
     "RelayChunk",
     "ResidentRequest",
     "Result",
+    "ResultCode",
     "RoutedQuery",
     "SchedulerConfig",
     "StepTimeCoefficients",
     "TenantBudget",
     "WindowStats",
     "decode_json",
+    "routed_query_bytes",
+    "routed_query_raw",
     "parse_model",
     "parse_query",
 ]

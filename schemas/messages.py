@@ -26,6 +26,9 @@ class DecisionFlag(StrEnum):
     DEADLINE = "deadline"  # solver stopped at its deadline; best feasible decision returned
     REROUTED = "rerouted"  # re-routed after its instance stopped heart-beating
     MODEL_CONSTRAINED = "model_constrained"  # the query's ``model`` limited the instances
+    # deferred because the window or tenant budget could not pay for it (held for
+    # ``budget_hold_s``, not ``max_hold_s``: routing.window)
+    BUDGET_DEFERRED = "budget_deferred"
 
 
 class WindowStats(BaseModel):
@@ -70,7 +73,11 @@ class Decision(BaseModel):
 
 
 class RoutedQuery(BaseModel):
-    """Body of ``route.<instance>``: the query and the decision that sent it there."""
+    """Body of ``route.<instance>``: the query and the decision that sent it there.
+
+    The router writes it with ``routed_query_bytes`` (the query's own bytes as it received
+    them, spliced in: no re-encoding per query); ``routed_query_raw`` gets them back.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -78,8 +85,43 @@ class RoutedQuery(BaseModel):
     decision: Decision
 
 
+_ROUTED_HEAD, _ROUTED_SEP = b'{"query":', b',"decision":'
+
+
+def routed_query_bytes(raw_query: bytes, decision_json: bytes) -> bytes:
+    """A ``RoutedQuery`` body from the query's raw JSON (validated by ``parse_query``) and
+    the decision's JSON: ``{"query":<raw>,"decision":<json>}``."""
+    return _ROUTED_HEAD + raw_query.strip() + _ROUTED_SEP + decision_json + b"}"
+
+
+def routed_query_raw(value: bytes, routed: RoutedQuery) -> bytes:
+    """The query's own body inside a routed message written by ``routed_query_bytes``, or
+    its JSON when the message is shaped otherwise (``routed`` is ``value`` parsed).
+
+    The decision's JSON cannot contain the separator (its strings escape quotes), so the
+    last one is the router's own.
+    """
+    cut = value.rfind(_ROUTED_SEP)
+    if value.startswith(_ROUTED_HEAD) and cut > len(_ROUTED_HEAD):
+        return value[len(_ROUTED_HEAD) : cut]
+    return routed.query.model_dump_json(exclude_none=True).encode()
+
+
+class ResultCode(StrEnum):
+    """Machine-readable kind of an error ``Result`` that no engine ran (``Result.code``)."""
+
+    NOT_ROUTED = "not_routed"  # the router gave up on it: no capacity, no model can hold it, …
+    INSUFFICIENT_QUOTA = "insufficient_quota"  # the router gave up: the tenant's budget is spent
+
+
 class Result(BaseModel):
-    """Body of ``results``: what a worker got back from its engine."""
+    """Body of ``results``: what a worker got back from its engine (or, with no
+    ``instance_id``, the router's final answer for a query it did not route).
+
+    ``code`` says what kind of error ``error`` is when a program must tell: set by the
+    router on the error Results it publishes (``ResultCode``); None on a success and on an
+    engine's error (older producers never set it).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -95,6 +137,7 @@ class Result(BaseModel):
     cost_usd: float = Field(default=0.0, ge=0)
     slo_met: bool | None = None
     error: str | None = None
+    code: ResultCode | None = None
     # the engine's reason for the last token ("stop", "length", "tool_calls"…), when known
     finish_reason: str | None = Field(default=None, max_length=64)
     attempt: int = Field(default=1, ge=1)

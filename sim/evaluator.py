@@ -5,8 +5,11 @@ the first arrival after the previous flush and closes ``window_s`` later, or as 
 holds ``max_batch`` queries. As in ``streams/service.py``, a query that cannot be placed
 (every instance full, or deferred by the router) is *held*: it joins the next window
 (held queries first, a retry window every ``window_s`` while any are held) until
-``max_hold_s`` (``budget_hold_s`` for budget deferrals) has passed, then it is finally
-deferred; with no free slot anywhere the router is not asked at all. At the close the cluster is advanced to that instant, the SAME
+``max_hold_s`` (``budget_hold_s`` for budget deferrals) has passed since the window that
+first saw it, then it is finally
+deferred; with no free slot anywhere the router is not asked at all. Those rules
+(admission, the batch cut, hold or give up) are ``routing.window``'s, the same functions
+the service calls. At the close the cluster is advanced to that instant, the SAME
 ``Router`` object the service uses decides the whole window on the instances' live views
 and the window's ``Budget``, and routed queries enter their instances right then (plus the
 measured decision time when ``charge_decision_time`` is set: off by default, so results
@@ -36,14 +39,22 @@ import numpy as np
 import numpy.typing as npt
 
 from routing.types import Budget, Router
+from routing.window import (
+    BUDGET_HOLD_S,
+    MAX_BATCH,
+    MAX_HOLD_S,
+    UNLIMITED_USD,
+    HoldReason,
+    WindowSettings,
+    admit,
+    settle,
+)
 from schemas import Decision, DecisionStatus
 from sim.cluster import SimCluster
 from sim.traffic import Workload
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-
-UNLIMITED_USD = 1e12
 
 ROUTED, DEFERRED, REJECTED, OVER_BUDGET = 0, 1, 2, 3
 _STATUS = {
@@ -63,15 +74,15 @@ class EvalConfig:
     """How the service batches and budgets, and how utility is priced."""
 
     window_s: float = 0.05
-    max_batch: int = 256
+    max_batch: int = MAX_BATCH
     budget_usd_per_query: float | None = None  # window budget = this × queries in the window
     carry_over: bool = False  # unspent window budget rolls into the next window
     total_budget_usd: float | None = None  # the tenant's budget for the whole run
     utility_lambda: float = 0.0  # quality per USD in u = score − λ·cost
     charge_decision_time: bool = False
     max_tokens: int | None = None
-    max_hold_s: float = 60.0  # a query waiting for capacity gives up after this (service default)
-    budget_hold_s: float = 2.0  # a query deferred for budget gives up after this
+    max_hold_s: float = MAX_HOLD_S  # a query waiting for capacity gives up after this
+    budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.window_s) and self.window_s >= 0):
@@ -86,6 +97,11 @@ class EvalConfig:
             raise ValueError(
                 f"EvalConfig.utility_lambda must be finite and >= 0, got {self.utility_lambda}"
             )
+
+    @property
+    def window(self) -> WindowSettings:
+        """The window rules' settings (``routing.window``)."""
+        return WindowSettings(self.max_batch, self.max_hold_s, self.budget_hold_s)
 
 
 @dataclass(frozen=True)
@@ -261,6 +277,7 @@ def evaluate(
     decided = np.zeros(n, dtype=np.int64)
     completed = np.zeros(n, dtype=np.int64)
     held_windows = np.zeros(n, dtype=np.int64)
+    first_seen = np.full(n, np.nan)  # virtual time of the window a query first joined
     w_budget: list[float] = []
     w_spend: list[float] = []
     w_size: list[int] = []
@@ -286,6 +303,7 @@ def evaluate(
         status[k] = DEFERRED
 
     arrivals = workload.arrival_s
+    rules = config.window
     allowance = 0.0
     reserved_total = 0.0
     t_free = 0.0  # when the router is free again (only matters with charge_decision_time)
@@ -310,18 +328,23 @@ def evaluate(
         record(cluster.advance_to(now))
         fresh = list(range(i, end))
         i = end
-        candidates = held + fresh
-        held = candidates[config.max_batch :]
-        candidates = candidates[: config.max_batch]
+        first_seen[fresh] = now  # the service counts a hold from the window it first saw
         views = cluster.views()
-        if sum(v.free_slots for v in views) == 0:
-            # every instance is full: the service does not ask the router (admission)
-            for k in candidates:
-                if now - arrivals[k] < config.max_hold_s:
-                    held.append(k)
-                    held_windows[k] += 1
-                else:
-                    give_up(k)
+        admission = admit(
+            held + fresh,
+            [float(first_seen[k]) for k in held + fresh],
+            [v.free_slots for v in views],
+            now,
+            rules,
+        )
+        held = [h.item for h in admission.held]
+        for h in admission.held:
+            if h.reason != HoldReason.OVERFLOW:
+                held_windows[h.item] += 1
+        for g in admission.given_up:
+            give_up(g.item)
+        candidates = admission.asked
+        if not candidates:
             held.sort()
             if progress is not None:
                 progress(i - len(held), n)
@@ -352,8 +375,7 @@ def evaluate(
             )
         allowed = set(candidates)
         seen: set[int] = set()
-        spend = 0.0
-        pspend = 0.0
+        order: list[int] = []
         for d in decisions:
             k = _check_decision(d, row_of, allowed, router.name)
             if k in seen:
@@ -361,29 +383,30 @@ def evaluate(
                     f"router {router.name!r} decided query {d.query_id} twice in one window"
                 )
             seen.add(k)
-            st = _STATUS.get(d.status)
-            if st is None:
+            order.append(k)
+            if d.status not in _STATUS:
                 raise EvaluationError(
                     f"router {router.name!r}: query {d.query_id}: unknown status {d.status!r}"
                 )
-            for f in d.flags:
-                flags[str(f)] = flags.get(str(f), 0) + 1
-            if st not in (ROUTED, OVER_BUDGET):
-                hold_s = config.budget_hold_s if "budget" in (d.reason or "") else config.max_hold_s
-                if st == DEFERRED and now - arrivals[k] < hold_s:
-                    held.append(k)  # the service holds it for the next window
-                    held_windows[k] += 1
-                    continue
-                decided[k] += 1
-                status[k] = st
-                continue
-            decided[k] += 1
-            status[k] = st
-            if d.instance_id not in inst_index:
+            if _STATUS[d.status] in (ROUTED, OVER_BUDGET) and d.instance_id not in inst_index:
                 raise EvaluationError(
                     f"router {router.name!r}: query {d.query_id} routed to unknown instance {d.instance_id!r}"
                 )
-            s = inst_index[d.instance_id]
+            for f in d.flags:
+                flags[str(f)] = flags.get(str(f), 0) + 1
+        plan = settle(order, [float(first_seen[k]) for k in order], decisions, now, rules)
+        for h in plan.held:
+            held.append(h.item)  # the service holds it for the next window
+            held_windows[h.item] += 1
+        for g in plan.given_up:
+            decided[g.item] += 1
+            status[g.item] = _STATUS[g.status]
+        spend = 0.0
+        pspend = 0.0
+        for k, d in plan.routed:
+            decided[k] += 1
+            status[k] = _STATUS[d.status]
+            s = inst_index[str(d.instance_id)]
             j = int(inst_model_col[s])
             instance[k], model[k] = s, j
             out_tok = int(workload.output_tokens[k, j])
@@ -395,7 +418,7 @@ def evaluate(
             hashes, block_tokens = asked[k].prefix_blocks()
             cluster.submit(
                 d.query_id,
-                d.instance_id,
+                str(d.instance_id),
                 float(arrivals[k]),
                 int(workload.prompt_tokens[k]),
                 out_tok,

@@ -147,6 +147,10 @@ class RouteIntent:
 
     instance_id: str
     decision_json: str
+    # set by a router re-routing a rescued copy (``streams.rescue``): the silent instance the
+    # query was routed to. Not stored: ``mark_intent_many`` lets such an intent replace the
+    # original routing, which would otherwise count as "taken" and drop the re-routed copy.
+    rerouted_from: str | None = None
 
 
 def period_id(now_s: float, period_s: float) -> str:
@@ -632,24 +636,33 @@ class StateStore:
         its successor re-sends that decision to that instance (``intents``) rather than
         deciding again, so a query is never routed to two instances. A query with no dedupe
         entry (expired) is neither recorded nor taken.
+
+        An intent with ``rerouted_from`` (a rescuer's claim made the query this router's) is
+        recorded over the original routing to that instance; it is taken only when the query
+        was marked routed to a third instance meanwhile (another rescuer re-routed it).
         """
         if not intents:
             return {}
         for iid in {i.instance_id for i in intents.values()}:
             self.keys.heartbeat(iid)  # validates each instance id once, not once per query
-        groups: dict[int, list[tuple[str, str]]] = {}
+        groups: dict[int, list[tuple[str, str, str]]] = {}
         for qid, intent in intents.items():
             payload = f"{intent.instance_id}\n{intent.decision_json}"
-            groups.setdefault(dedupe_bucket(qid), []).append((qid, payload))
+            row = (qid, payload, intent.rerouted_from or "")
+            groups.setdefault(dedupe_bucket(qid), []).append(row)
         rows = list(groups.values())
         calls: list[tuple[Sequence[str], Sequence[Any]]] = [
-            ([self.keys.dedupe(q) for q, _ in group], [p for _, p in group]) for group in rows
+            (
+                [self.keys.dedupe(q) for q, _, _ in group],
+                [p for _, p, _ in group] + [f for _, _, f in group],
+            )
+            for group in rows
         ]
         replies = await self._script_many("mark_intent", calls)
         return {
             qid: holder.decode() if isinstance(holder, bytes) else str(holder)
             for group, got in zip(rows, replies, strict=True)
-            for (qid, _), holder in zip(group, got, strict=True)
+            for (qid, _, _), holder in zip(group, got, strict=True)
             if not isinstance(holder, int)
         }
 

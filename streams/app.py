@@ -336,7 +336,7 @@ def create_app(
         stream_buffer_maxsize=max(4096, 4 * config.max_batch),
         web_enabled=False,
         # a killed router's partitions move to the others after 10 s, not Faust's 60 s
-        broker_session_timeout=10.0,
+        broker_session_timeout=config.group_session_s,
         broker_heartbeat_interval=3.0,
         consumer_auto_offset_reset=offset_reset,
         table_cleanup_interval=3600.0,

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from schemas import ClusterConfig, Query, RoutedQuery
+from schemas import routed_query_raw as query_bytes  # the router's splice, undone
 from schemas.parse import BadMessage, Limits, parse_model
 from streams.service import Adopted, Inbound, Pending
 from wiring import topics
@@ -130,22 +131,6 @@ class Stranded:
     copy: Copy
     routed: RoutedQuery
     raw_query: bytes  # the query's body as the router received it (``Pending.raw``)
-
-
-_HEAD, _SEP = b'{"query":', b',"decision":'
-
-
-def query_bytes(value: bytes, routed: RoutedQuery) -> bytes:
-    """The query's own body inside a routed message (``RouterService`` writes
-    ``{"query":<raw>,"decision":<json>}``), or its JSON when the message is shaped otherwise.
-
-    The decision's JSON cannot contain the separator (its strings escape quotes), so the
-    last one is the router's own.
-    """
-    cut = value.rfind(_SEP)
-    if value.startswith(_HEAD) and cut > len(_HEAD):
-        return value[len(_HEAD) : cut]
-    return routed.query.model_dump_json(exclude_none=True).encode()
 
 
 def parse_copies(

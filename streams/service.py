@@ -42,7 +42,20 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from routing.types import Router
+from routing.types import Budget, InstanceView, Router
+from routing.window import (
+    BUDGET_HOLD_S,
+    MAX_BATCH,
+    MAX_HOLD_S,
+    Admission,
+    HoldReason,
+    Lost,
+    WindowPlan,
+    WindowSettings,
+    admit,
+    carried,
+    settle,
+)
 from schemas import (
     BadMessage,
     ClusterConfig,
@@ -53,13 +66,15 @@ from schemas import (
     Limits,
     Query,
     Result,
+    ResultCode,
     parse_query,
+    routed_query_bytes,
 )
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
-from streams.views import instance_views, window_budget
+from streams.views import TenantWindow, instance_views, window_budget
 from wiring import topics
 
 log = logging.getLogger("switchyard.router")
@@ -119,13 +134,11 @@ class RouterConfig:
     """Knobs of the routing window (CLI: ``switchyard router``)."""
 
     window_s: float = 0.05
-    max_batch: int = 1000
+    max_batch: int = MAX_BATCH  # most queries the router is asked about per window
     stale_after_s: float = 2.0
     dedupe_ttl_s: float = 3600.0
-    max_hold_s: float = (
-        60.0  # a query waiting for capacity (or a live instance) gives up after this
-    )
-    budget_hold_s: float = 2.0  # a query deferred for budget gives up after this
+    max_hold_s: float = MAX_HOLD_S  # a query waiting for capacity (or a live instance) gives up
+    budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
     max_held: int = 20_000  # past this many held queries the agent stops reading new ones
     pacing_factor: float = 0.0
     slot_lease_s: float | None = (
@@ -135,6 +148,32 @@ class RouterConfig:
     # while Redis is unreachable a tenant may spend this share of its last known remaining
     # budget (each router its own share: keep it <= 1 / number of routers)
     blind_budget_fraction: float = 0.5
+    # the router's consumer-group session (Faust ``broker_session_timeout``): a window attempt
+    # that outlasted it (the process was paused) no longer knows which inputs are its own
+    group_session_s: float = 10.0
+
+    @property
+    def window(self) -> WindowSettings:
+        """The window rules' settings (``routing.window``, shared with the simulator)."""
+        return WindowSettings(self.max_batch, self.max_hold_s, self.budget_hold_s)
+
+
+@dataclass(frozen=True)
+class Sight:
+    """Stage ``_see``: the live instances' views, and the instances left out (no heartbeat)."""
+
+    views: list[InstanceView]
+    excluded: list[str]
+
+
+@dataclass(frozen=True)
+class Money:
+    """Stage ``_price``: the window's ``Budget`` and each tenant's ledger position."""
+
+    budget: Budget
+    tenant_windows: dict[str, TenantWindow]
+    period_ids: dict[str, str]  # tenant -> ledger period (tenants with a budget)
+    spent: dict[str, float]  # tenant -> reserved + settled in that period
 
 
 @dataclass
@@ -152,6 +191,18 @@ class WindowOutcome:
         """Count ``other`` in as well (the windows ``_isolate`` runs one input at a time)."""
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class WindowOutput:
+    """What one window produces and records, filled stage by stage, sent at its end."""
+
+    outcome: WindowOutcome = field(default_factory=WindowOutcome)
+    outs: list[tuple[str, bytes, bytes]] = field(default_factory=list)  # (topic, key, value)
+    # query id -> instance it went to ("-": answered without routing), marked after the produce
+    routed_marks: dict[str, str] = field(default_factory=dict)
+    routed_inputs: list[Inbound] = field(default_factory=list)  # for the added-latency metric
+    held: list[Pending] = field(default_factory=list)  # wait for the next window, oldest first
 
 
 class RouterService:
@@ -255,120 +306,139 @@ class RouterService:
     # ------------------------------------------------------------------ one window
 
     async def _window(self, items: list[Inbound]) -> tuple[WindowOutcome, list[Inbound]]:
+        """One window: decide (``_decide_window``), produce and commit (``_commit``), then
+        release what is finished (``_finish``); a failure is contained (``_failed``)."""
         t_start = time.perf_counter()
         retry = [it for it in self._retry if self._keep(it)]
         held = [p for p in self._held if self._keep(p.inbound)]
         self._retry, self._held = [], []
         batch_items = retry + items
-        outcome = WindowOutcome()
         self._stage = "validate"
         try:
-            outs: list[tuple[str, bytes, bytes]] = []
-            routed_marks: dict[str, str] = {}
-            latencies: list[Inbound] = []
-            still_held: list[Pending] = []
-            blind = False
-            try:
-                await self._blind.flush(
-                    self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
-                )
-                # a Redis back without its ledger: blind until it is rebuilt from Kafka
-                if self._ledger_guard is not None and not await self._ledger_guard.ready(
-                    self.state
-                ):
-                    raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
-                candidates = held + await self._validate_and_dedupe(
-                    batch_items, outs, outcome, routed_marks=routed_marks
-                )
-                if candidates:
-                    await self._route(
-                        candidates, outs, outcome, routed_marks, latencies, still_held
-                    )
-            except Exception as exc:
-                if not _state_error(exc):
-                    raise
-                # Redis is away: nothing was produced yet; route this window blind instead
-                self.metrics.errors.labels(type(exc).__name__).inc()
-                if not self._blind_logged:  # once per outage, not once per window
-                    log.warning("Redis unreachable, routing blind until it answers: %s", exc)
-                self._blind_logged = True
-                blind, outcome = True, WindowOutcome()
-                outs, routed_marks, latencies, still_held = [], {}, [], []
-                candidates = held + await self._validate_and_dedupe(
-                    batch_items, outs, outcome, blind=True
-                )
-                if candidates:
-                    await self._route(
-                        candidates, outs, outcome, routed_marks, latencies, still_held, blind
-                    )
-            self._stage = "produce"
-            await self._produce(outs)
-            self._stage = "commit"
-            shas = {p.query.id: p.sha for p in candidates if p.query.id in routed_marks}
-            if blind:
-                self._blind.routed(routed_marks, shas)
-            elif routed_marks:
-                try:
-                    await self._mark_routed(routed_marks)
-                except Exception as exc:
-                    if not _state_error(exc):
-                        raise
-                    log.warning("routed marks owed to Redis until it answers: %s", exc)
-                    self._blind.routed(routed_marks, shas)
-                else:
-                    self._blind.remember(shas)
-            if not blind:
-                self._blind_logged = False
+            out, candidates, blind = await self._decide_window(batch_items, held)
+            await self._commit(out, candidates, blind)
         except Exception as exc:
-            kind = type(exc).__name__
-            stage = self._stage
-            self.metrics.errors.labels(kind).inc()
-            if not _transient(exc):
-                # this window's own failure (a bug, an input some stage chokes on): retried a
-                # bounded number of times, then its inputs one by one (``_isolate``)
-                failed = batch_items + [p.inbound for p in held]
-                tries = 0
-                for it in failed:
-                    key = _input_key(it)
-                    self._tries[key] = self._tries.get(key, 0) + 1
-                    tries = max(tries, self._tries[key])
-                log.exception(
-                    "window of %d queries failed at stage %s (try %d of %d): %s",
-                    len(failed), stage, tries, WINDOW_TRIES, exc,
-                )  # fmt: skip
-                if tries >= WINDOW_TRIES:
-                    return await self._isolate(failed, items, stage, f"{kind}: {exc}")
-            log.warning(
-                "window of %d queries will be retried: %s: %s",
-                len(batch_items) + len(held),
-                kind,
-                exc,
-            )
-            self._retry = batch_items
-            self._held = held
-            self.metrics.held.set(self.held_count)
-            await asyncio.sleep(min(1.0, self.config.window_s * 4))
-            return WindowOutcome(held=len(batch_items) + len(held)), list(items)
-
+            return await self._failed(exc, items, batch_items, held)
         if self._tries:
             for it in batch_items + [p.inbound for p in held]:
                 self._tries.pop(_input_key(it), None)
+        return self._finish(out, items, retry + [p.inbound for p in held], t_start)
+
+    async def _decide_window(
+        self, batch_items: list[Inbound], held: list[Pending]
+    ) -> tuple[WindowOutput, list[Pending], bool]:
+        """Validate, dedupe and route with Redis; when Redis is away (or its ledger is being
+        rebuilt), the same blind. Returns what to produce, the candidates, and blind or not."""
+        attempt_t0 = time.monotonic()
+        try:
+            await self._blind.flush(
+                self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
+            )
+            # a Redis back without its ledger: blind until it is rebuilt from Kafka
+            if self._ledger_guard is not None and not await self._ledger_guard.ready(self.state):
+                raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
+            out = WindowOutput()
+            candidates = held + await self._validate_and_dedupe(batch_items, out)
+            if candidates:
+                await self._route(candidates, out)
+            return out, candidates, False
+        except Exception as exc:
+            if not _state_error(exc):
+                raise
+            if time.monotonic() - attempt_t0 > self.config.group_session_s:
+                # not an outage: this router was paused mid-call past its group session (a
+                # zombie; the timeout ran out while it was stopped). Its inputs are likely
+                # another router's by now, and blind routing has no cross-router check
+                # (scenario 9: routed twice); retry the window once the group settled
+                raise
+            # Redis is away: nothing was produced yet; route this window blind instead
+            self.metrics.errors.labels(type(exc).__name__).inc()
+            if not self._blind_logged:  # once per outage, not once per window
+                log.warning("Redis unreachable, routing blind until it answers: %s", exc)
+            self._blind_logged = True
+        out = WindowOutput()
+        candidates = held + await self._validate_and_dedupe(batch_items, out, blind=True)
+        if candidates:
+            await self._route(candidates, out, True)
+        return out, candidates, True
+
+    async def _commit(self, out: WindowOutput, candidates: list[Pending], blind: bool) -> None:
+        """Produce the window's messages (acknowledged by Kafka), then mark its queries
+        routed in Redis (owed to Redis by the blind ledger while it is away)."""
+        self._stage = "produce"
+        await self._produce(out.outs)
+        self._stage = "commit"
+        marks = out.routed_marks
+        shas = {p.query.id: p.sha for p in candidates if p.query.id in marks}
+        if blind:
+            self._blind.routed(marks, shas)
+        elif marks:
+            try:
+                await self._mark_routed(marks)
+            except Exception as exc:
+                if not _state_error(exc):
+                    raise
+                log.warning("routed marks owed to Redis until it answers: %s", exc)
+                self._blind.routed(marks, shas)
+            else:
+                self._blind.remember(shas)
+        if not blind:
+            self._blind_logged = False
+
+    async def _failed(
+        self, exc: Exception, items: list[Inbound], batch_items: list[Inbound], held: list[Pending]
+    ) -> tuple[WindowOutcome, list[Inbound]]:
+        """A window that failed: retried later (Redis or Kafka away: nothing acknowledged);
+        one failing of its own is retried ``WINDOW_TRIES`` times, then input by input."""
+        kind = type(exc).__name__
+        stage = self._stage
+        self.metrics.errors.labels(kind).inc()
+        if not _transient(exc):
+            # this window's own failure (a bug, an input some stage chokes on): retried a
+            # bounded number of times, then its inputs one by one (``_isolate``)
+            failed = batch_items + [p.inbound for p in held]
+            tries = 0
+            for it in failed:
+                key = _input_key(it)
+                self._tries[key] = self._tries.get(key, 0) + 1
+                tries = max(tries, self._tries[key])
+            log.error(
+                "window of %d queries failed at stage %s (try %d of %d): %s",
+                len(failed), stage, tries, WINDOW_TRIES, exc, exc_info=exc,
+            )  # fmt: skip
+            if tries >= WINDOW_TRIES:
+                return await self._isolate(failed, items, stage, f"{kind}: {exc}")
+        log.warning(
+            "window of %d queries will be retried: %s: %s", len(batch_items) + len(held), kind, exc
+        )
+        self._retry = batch_items
+        self._held = held
+        self.metrics.held.set(self.held_count)
+        await asyncio.sleep(min(1.0, self.config.window_s * 4))
+        return WindowOutcome(held=len(batch_items) + len(held)), list(items)
+
+    def _finish(
+        self, out: WindowOutput, items: list[Inbound], earlier: list[Inbound], t_start: float
+    ) -> tuple[WindowOutcome, list[Inbound]]:
+        """After the commit: keep the held queries, release the inputs finished now.
+
+        Inputs of this call that are not finished stay unacknowledged by the caller; inputs
+        of earlier calls (``earlier``: retried or held) that are finished now are released
+        here."""
         now = time.time()
-        for inbound in latencies:
+        for inbound in out.routed_inputs:
             if inbound.timestamp_s:
                 self.metrics.added_latency_seconds.observe(max(0.0, now - inbound.timestamp_s))
-        self._held = still_held
-        # inputs of this call that are not finished stay unacknowledged by the caller;
-        # inputs of earlier calls (held or retried) that are finished now are released here
-        pending_ids = {id(p.inbound) for p in still_held}
+        self._held = out.held
+        pending_ids = {id(p.inbound) for p in out.held}
         unfinished = [it for it in items if id(it) in pending_ids]
-        for it in retry + [p.inbound for p in held]:
+        for it in earlier:
             if id(it) not in pending_ids:
                 self._on_done(it)
-        outcome.held = len(still_held)
+        out.outcome.held = len(out.held)
         self.metrics.held.set(self.held_count)
         self.metrics.window_seconds.observe(time.perf_counter() - t_start)
-        return outcome, unfinished
+        return out.outcome, unfinished
 
     async def _isolate(
         self, failed: list[Inbound], items: list[Inbound], stage: str, why: str
@@ -419,14 +489,10 @@ class RouterService:
         return total, unfinished
 
     async def _validate_and_dedupe(
-        self,
-        items: list[Inbound],
-        outs: list[tuple[str, bytes, bytes]],
-        outcome: WindowOutcome,
-        blind: bool = False,
-        routed_marks: dict[str, str] | None = None,
+        self, items: list[Inbound], out: WindowOutput, blind: bool = False
     ) -> list[Pending]:
         now = time.time()
+        outs, outcome = out.outs, out.outcome
         valid: list[Pending] = []
         seen: set[str] = set()
         for it in items:
@@ -477,8 +543,8 @@ class RouterService:
         kept: list[Pending] = []
         for p, (verdict, routed_to) in zip(valid, verdicts, strict=True):
             intent = intents.get(p.query.id)
-            if intent is not None and routed_marks is not None:
-                self._resend(p, intent, outs, routed_marks)
+            if intent is not None:
+                self._resend(p, intent, out)
                 outcome.resent += 1
                 continue
             if verdict == "conflict":
@@ -498,13 +564,7 @@ class RouterService:
                 kept.append(p)
         return kept
 
-    def _resend(
-        self,
-        p: Pending,
-        intent: RouteIntent,
-        outs: list[tuple[str, bytes, bytes]],
-        routed_marks: dict[str, str],
-    ) -> None:
+    def _resend(self, p: Pending, intent: RouteIntent, out: WindowOutput) -> None:
         """Produce again exactly what a crashed router produced (or was producing) for ``p``.
 
         Its budget and slot were reserved before the intent was recorded, so nothing is
@@ -512,11 +572,11 @@ class RouterService:
         drops the second by query id (``workers.worker``: running or answered).
         """
         dec_json = intent.decision_json.encode()
-        routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
+        routed = routed_query_bytes(p.raw, dec_json)
         key = p.query.id.encode()
-        outs.append((topics.route(intent.instance_id), key, routed))
-        outs.append((topics.DECISIONS, key, dec_json))
-        routed_marks[p.query.id] = intent.instance_id
+        out.outs.append((topics.route(intent.instance_id), key, routed))
+        out.outs.append((topics.DECISIONS, key, dec_json))
+        out.routed_marks[p.query.id] = intent.instance_id
         self.metrics.decisions.labels("resent").inc()
 
     async def _dedupe(self, pending: list[Pending]) -> list[tuple[str, str]]:
@@ -525,18 +585,39 @@ class RouterService:
         got = await self.state.dedupe_many(items, self.config.dedupe_ttl_s)
         return [(str(verdict), str(routed or "")) for verdict, routed in got]
 
-    async def _route(
-        self,
-        candidates: list[Pending],
-        outs: list[tuple[str, bytes, bytes]],
-        outcome: WindowOutcome,
-        routed_marks: dict[str, str],
-        latencies: list[Inbound],
-        still_held: list[Pending],
-        blind: bool = False,
-    ) -> None:
+    async def _route(self, candidates: list[Pending], out: WindowOutput, blind: bool = False) -> None:
+        """Decide and place one window's candidates (oldest first), in stages: see the
+        instances, price the window, admit and cut (``routing.window.admit``), decide,
+        reserve, hold or give up (``routing.window.settle``), emit."""
         now = time.time()
         self._stage = "decide"
+        sight = await self._see(now, blind)
+        money = await self._price(candidates, now, blind)
+        rules = self.config.window
+        admission = admit(
+            candidates,
+            [p.first_seen_s for p in candidates],
+            [v.free_slots for v in sight.views],
+            now,
+            rules,
+            sight.excluded,
+        )
+        asked = admission.asked
+        decisions = self._decide(asked, sight.views, money.budget, now) if asked else []
+        self._stage = "reserve"
+        lost = await self._reserve(asked, decisions, money, blind)
+        plan = settle(asked, [p.first_seen_s for p in asked], decisions, now, rules, lost, blind)
+        intents = self._emit_routed(plan.routed, money.period_ids, now, blind, out)
+        self._emit_unplaced(admission, plan, money.period_ids, now, out)
+        out.held.extend(carried(admission, plan))
+        if intents and not blind:
+            # before anything is produced: a successor re-sends these rather than re-deciding
+            taken = await self.state.mark_intent_many(intents)
+            if taken:
+                await self._drop_taken(taken, intents, out, candidates)
+
+    async def _see(self, now: float, blind: bool) -> Sight:
+        """Stage 1: the live instances' views (from Redis, or the blind ledger's memory)."""
         if blind:
             views, excluded = self._blind.views(self.cluster, now), list[str]()
         else:
@@ -551,7 +632,10 @@ class RouterService:
                     self.metrics.instance_slots_used.labels(spec.id).set(int(info.slots_used))
         for v in views:
             self.metrics.instance_stale.labels(v.instance_id).set(1 if v.stale else 0)
+        return Sight(views, excluded)
 
+    async def _price(self, candidates: Sequence[Pending], now: float, blind: bool) -> Money:
+        """Stage 2: what the window may spend (``streams.views.window_budget``: pacing)."""
         tenants = list(dict.fromkeys(p.query.tenant for p in candidates))
         period_ids = {
             t: self._period_id(now, self._budgets[t].period_s)
@@ -573,168 +657,195 @@ class RouterService:
         budget, tenant_windows = window_budget(
             tenants, self._budgets, spent, period_ids, now, elapsed, self.config.pacing_factor
         )
+        return Money(budget, tenant_windows, period_ids, spent)
 
-        # admission: with no free slot anywhere nothing can be placed, so the router is not
-        # asked; and it is asked about at most max_batch queries (the oldest first)
-        total_free = sum(v.free_slots for v in views)
-        if views and total_free == 0:
-            reason = "every live instance is at its capacity"
-            for p in candidates:
-                if now - p.first_seen_s < self.config.max_hold_s:
-                    self._hold_quietly(p, outs, now, reason)
-                    still_held.append(p)
-                else:
-                    why = f"gave up after {self.config.max_hold_s:g} s: {reason}"
-                    self._give_up(
-                        p, None, DecisionStatus.DEFERRED, why, now, None, outs, routed_marks
-                    )
-                    outcome.final_errors += 1
-            return
-        if len(candidates) > self.config.max_batch:
-            still_held.extend(candidates[self.config.max_batch :])
-            candidates = candidates[: self.config.max_batch]
-        queries = [p.query for p in candidates]
+    def _decide(
+        self, asked: Sequence[Pending], views: Sequence[InstanceView], budget: Budget, now: float
+    ) -> list[Decision]:
+        """Stage 3: the router's decisions for the admitted queries (checked)."""
+        queries = [p.query for p in asked]
         self.metrics.batch_size.observe(len(queries))
-        if views:
-            t0 = time.perf_counter()
-            decisions = self.router.decide(queries, views, budget, now)
-            self.metrics.decide_seconds.observe(time.perf_counter() - t0)
-            _check_decisions(queries, decisions, {v.instance_id for v in views})
-        else:
-            reason = f"no live instance (no heartbeat from {', '.join(excluded) or 'any instance'})"
-            decisions = [_deferred(q, reason, now) for q in queries]
+        t0 = time.perf_counter()
+        decisions = self.router.decide(queries, views, budget, now)
+        self.metrics.decide_seconds.observe(time.perf_counter() - t0)
+        _check_decisions(queries, decisions, {v.instance_id for v in views})
+        return decisions
 
-        # reserve budget per tenant, then capacity per instance, each one atomic call
-        self._stage = "reserve"
+    async def _reserve(
+        self, asked: Sequence[Pending], decisions: Sequence[Decision], money: Money, blind: bool
+    ) -> dict[int, Lost]:
+        """Stage 4: reserve budget per tenant, then capacity per instance, each one atomic
+        call (blind: from the blind ledger, owed to Redis). Returns the positions (in
+        ``asked``) whose reservation failed, and why."""
         placed = [
-            (p, d)
-            for p, d in zip(candidates, decisions, strict=True)
+            (k, p, d)
+            for k, (p, d) in enumerate(zip(asked, decisions, strict=True))
             if d.status in _PLACED and d.instance_id
         ]
-        lost: dict[str, str] = {}  # query id -> why its reservation failed
         if blind:
-            for p, d in placed:
-                tw = tenant_windows.get(p.query.tenant)
-                short = self._blind.take(
-                    tw.tenant if tw else None,
-                    tw.period_id if tw else None,
-                    str(d.instance_id),
-                    p.query.id,
-                    self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query),
-                )
-                if short:
-                    lost[p.query.id] = short
-            placed = []  # nothing to reserve in Redis now: the ledger owes it
-        by_tenant: dict[str, list[tuple[Pending, Decision]]] = {}
-        for p, d in placed:
-            by_tenant.setdefault(p.query.tenant, []).append((p, d))
+            return self._reserve_blind(placed, money)
+        lost = await self._reserve_budget(placed, money)
+        await self._reserve_slots([t for t in placed if t[0] not in lost], money, lost)
+        return lost
+
+    def _reserve_blind(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
+        lost: dict[int, Lost] = {}
+        for k, p, d in placed:
+            tw = money.tenant_windows.get(p.query.tenant)
+            short = self._blind.take(
+                tw.tenant if tw else None,
+                tw.period_id if tw else None,
+                str(d.instance_id),
+                p.query.id,
+                self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query),
+            )
+            if short:
+                lost[k] = Lost(HoldReason.BLIND_SHORT, short)
+        return lost
+
+    async def _reserve_budget(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
+        """Each tenant's worst-case spend, one atomic call per tenant with a budget."""
+        lost: dict[int, Lost] = {}
+        by_tenant: dict[str, list[_Placed]] = {}
+        for t in placed:
+            by_tenant.setdefault(t[1].query.tenant, []).append(t)
         for tenant, group in by_tenant.items():
-            tw = tenant_windows.get(tenant)
+            tw = money.tenant_windows.get(tenant)
             if tw is None:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
             amounts = {
                 p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for p, d in group
+                for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
-            for qid, accepted in ok.items():
-                if not accepted:
-                    lost[qid] = f"tenant {tenant} budget for period {tw.period_id} is spent"
+            spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
+            for k, p, _ in group:
+                if not ok.get(p.query.id, True):
+                    lost[k] = Lost(HoldReason.BUDGET, spent_now)
             # what a blind window would start from: the read less what was just reserved
             taken = sum(amounts[q] for q, accepted in ok.items() if accepted)
-            self._blind.observe_budget(tenant, tw.period_id, tw.limit_usd, spent[tenant] + taken)
-        by_instance: dict[str, list[tuple[Pending, Decision]]] = {}
-        for p, d in placed:
-            if p.query.id not in lost:
-                by_instance.setdefault(str(d.instance_id), []).append((p, d))
+            self._blind.observe_budget(
+                tenant, tw.period_id, tw.limit_usd, money.spent[tenant] + taken
+            )
+        return lost
+
+    async def _reserve_slots(
+        self, placed: Sequence[_Placed], money: Money, lost: dict[int, Lost]
+    ) -> None:
+        """One atomic call per instance; a query that lost its slot gives its budget back."""
+        by_instance: dict[str, list[tuple[int, Pending]]] = {}
+        for k, p, d in placed:
+            by_instance.setdefault(str(d.instance_id), []).append((k, p))
         released: dict[tuple[str, str], list[str]] = {}
-        for instance_id, group in by_instance.items():
+        for instance_id, slots in by_instance.items():
             max_slots = self.cluster.model_of(instance_id).max_concurrency
-            qids = [p.query.id for p, _ in group]
+            qids = [p.query.id for _, p in slots]
             oks = await self.state.reserve_slots(
                 instance_id, max_slots, qids, lease_s=self.config.slot_lease_s
             )
             self._blind.reserved_slots(instance_id, sum(oks))
-            for (p, _), accepted in zip(group, oks, strict=True):
+            full = f"instance {instance_id} is at its capacity of {max_slots}"
+            for (k, p), accepted in zip(slots, oks, strict=True):
                 if not accepted:
-                    lost[p.query.id] = f"instance {instance_id} is at its capacity of {max_slots}"
-                    tw = tenant_windows.get(p.query.tenant)
+                    lost[k] = Lost(HoldReason.SLOT_LOST, full)
+                    tw = money.tenant_windows.get(p.query.tenant)
                     if tw is not None:
                         released.setdefault((p.query.tenant, tw.period_id), []).append(p.query.id)
         for (tenant, period), qids in released.items():
             await self.state.release_budget(tenant, period, qids)
 
+    def _emit_routed(
+        self,
+        routed: Sequence[tuple[Pending, Decision]],
+        period_ids: Mapping[str, str],
+        now: float,
+        blind: bool,
+        out: WindowOutput,
+    ) -> dict[str, RouteIntent]:
+        """Stage 5: the route message and the Decision of each routed query; its intent."""
         intents: dict[str, RouteIntent] = {}
-        for p, d in zip(candidates, decisions, strict=True):
+        for p, d in routed:
             q = p.query
-            pid = period_ids.get(q.tenant)
-            if d.status in _PLACED and d.instance_id and q.id not in lost:
-                instance_id = d.instance_id
-                update: dict[str, Any] = {"budget_period": pid, "decided_at": now}
-                if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
-                    update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
-                if p.rerouted_from is not None:
-                    update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
-                    why = f"re-routed from silent instance {p.rerouted_from}"
-                    update["reason"] = f"{why}; {d.reason}" if d.reason else why
-                d = d.model_copy(update=update)
-                dec_json = d.model_dump_json(exclude_none=True).encode()
-                routed = b'{"query":' + p.raw.strip() + b',"decision":' + dec_json + b"}"
-                key = q.id.encode()
-                outs.append((topics.route(instance_id), key, routed))
-                outs.append((topics.DECISIONS, key, dec_json))
-                routed_marks[q.id] = instance_id
-                intents[q.id] = RouteIntent(instance_id, dec_json.decode())
-                latencies.append(p.inbound)
-                outcome.routed += 1
-                self._count_routed(d, q)
-                continue
-            reason = lost.get(q.id) or d.reason or f"router decided {d.status.value}"
-            status = DecisionStatus.DEFERRED if q.id in lost else d.status
-            # while blind a short budget is the blind allowance's: wait for Redis like for slots
-            paced = "budget" in reason.lower() and not blind
-            limit_s = self.config.budget_hold_s if paced else self.config.max_hold_s
-            final = status == DecisionStatus.REJECTED  # e.g. longer than every model's context
-            if not final and now - p.first_seen_s < limit_s:
-                self._hold_quietly(p, outs, now, reason, d, pid)
-                still_held.append(p)
-                continue
-            why = reason if final else f"gave up after {limit_s:g} s: {reason}"
-            self._give_up(p, d, status, why, now, pid, outs, routed_marks)
-            outcome.final_errors += 1
-        if intents and not blind:
-            # before anything is produced: a successor re-sends these rather than re-deciding
-            taken = await self.state.mark_intent_many(intents)
-            if taken:
-                await self._drop_taken(taken, intents, outs, routed_marks, latencies, outcome)
+            update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
+            if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
+                update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
+            if p.rerouted_from is not None:
+                update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
+                why = f"re-routed from silent instance {p.rerouted_from}"
+                update["reason"] = f"{why}; {d.reason}" if d.reason else why
+            d = d.model_copy(update=update)
+            instance_id = str(d.instance_id)
+            dec_json = d.model_dump_json(exclude_none=True).encode()
+            routed_bytes = routed_query_bytes(p.raw, dec_json)
+            key = q.id.encode()
+            out.outs.append((topics.route(instance_id), key, routed_bytes))
+            out.outs.append((topics.DECISIONS, key, dec_json))
+            out.routed_marks[q.id] = instance_id
+            intents[q.id] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
+            out.routed_inputs.append(p.inbound)
+            out.outcome.routed += 1
+            self._count_routed(d, q)
+        return intents
+
+    def _emit_unplaced(
+        self,
+        admission: Admission[Pending],
+        plan: WindowPlan[Pending],
+        period_ids: Mapping[str, str],
+        now: float,
+        out: WindowOutput,
+    ) -> None:
+        """Stage 5 for the rest: one DEFERRED decision when a query is first held (not for
+        the batch cut's overflow, which was not decided), a final answer when given up.
+        Held or given up at admission, the router was not asked: no ledger period."""
+        for h in admission.held:
+            if h.reason != HoldReason.OVERFLOW:
+                self._hold_quietly(h.item, out, now, h.text)
+        for g in admission.given_up:
+            self._give_up(g.item, None, g.status, g.text, now, None, out, g.reason)
+        for h in plan.held:
+            pid = period_ids.get(h.item.query.tenant)
+            self._hold_quietly(h.item, out, now, h.text, h.decision, pid)
+        for g in plan.given_up:
+            pid = period_ids.get(g.item.query.tenant)
+            self._give_up(g.item, g.decision, g.status, g.text, now, pid, out, g.reason)
 
     async def _drop_taken(
         self,
         taken: Mapping[str, str],
         intents: Mapping[str, RouteIntent],
-        outs: list[tuple[str, bytes, bytes]],
-        routed_marks: dict[str, str],
-        latencies: list[Inbound],
-        outcome: WindowOutcome,
+        out: WindowOutput,
+        candidates: Sequence[Pending],
     ) -> None:
         """Queries another router routed while this one was away mid-window (a zombie woken
-        from a pause longer than its group session): theirs stands, these are not produced."""
+        from a pause longer than its group session): theirs stands, these are not produced.
+
+        One whose recorded intent is not marked routed yet is sent again as recorded instead:
+        it may be this router's own, from an attempt whose produce failed (a held query in a
+        window retried after a broker outage: dropping it acknowledged a query nobody had
+        produced), or another router's still producing; an identical copy is harmless (its
+        worker drops the second by query id)."""
+        recorded = await self.state.intents(list(taken))
         keys = {q.encode() for q in taken}
-        outs[:] = [
-            o for o in outs
+        out.outs[:] = [
+            o for o in out.outs
             if not (o[1] in keys and (o[0] == topics.DECISIONS or topics.instance_of(o[0])))
         ]  # fmt: skip
-        latencies[:] = [it for it in latencies if not _query_key_in(it, keys)]
+        out.routed_inputs[:] = [it for it in out.routed_inputs if not _query_key_in(it, keys)]
         by_instance: dict[str, list[str]] = {}
         for qid, holder in taken.items():
-            routed_marks.pop(qid, None)
+            out.routed_marks.pop(qid, None)
             mine = intents[qid].instance_id
             if holder != mine:  # a slot is per (instance, query): the same one is theirs too
                 by_instance.setdefault(mine, []).append(qid)
         for instance_id, qids in by_instance.items():  # the slot this router took for nothing
             await self.state.release_slots(instance_id, qids)
-        outcome.routed -= len(taken)
+        for p in candidates:
+            if p.query.id in recorded:
+                self._resend(p, recorded[p.query.id], out)
+                out.outcome.resent += 1
+        out.outcome.routed -= len(taken)
         self.metrics.decisions.labels("taken_by_another_router").inc(len(taken))
         log.warning(
             "%d queries of this window were routed by another router meanwhile (this router "
@@ -750,10 +861,11 @@ class RouterService:
         reason: str,
         now: float,
         pid: str | None,
-        outs: list[tuple[str, bytes, bytes]],
-        routed_marks: dict[str, str],
+        out: WindowOutput,
+        why: HoldReason,
     ) -> None:
-        """Final answer for a query that will not be routed: a Decision and an error Result."""
+        """Final answer for a query that will not be routed: a Decision and an error Result
+        (``code`` ``insufficient_quota`` when its budget was short, else ``not_routed``)."""
         q = p.query
         final = (d or _deferred(q, reason, now)).model_copy(
             update={
@@ -764,7 +876,7 @@ class RouterService:
                 "budget_period": pid,
             }
         )
-        outs.append(
+        out.outs.append(
             (topics.DECISIONS, q.id.encode(), final.model_dump_json(exclude_none=True).encode())
         )
         result = Result(
@@ -773,18 +885,22 @@ class RouterService:
             instance_id="",
             model="",
             error=f"not routed ({status.value}): {reason}",
+            code=ResultCode.INSUFFICIENT_QUOTA
+            if why == HoldReason.BUDGET
+            else ResultCode.NOT_ROUTED,
             finished_at=now,
         )
-        outs.append(
+        out.outs.append(
             (topics.RESULTS, q.id.encode(), result.model_dump_json(exclude_none=True).encode())
         )
-        routed_marks[q.id] = "-"
+        out.routed_marks[q.id] = "-"
+        out.outcome.final_errors += 1
         self.metrics.decisions.labels(status.value).inc()
 
     def _hold_quietly(
         self,
         p: Pending,
-        outs: list[tuple[str, bytes, bytes]],
+        out: WindowOutput,
         now: float,
         reason: str,
         d: Decision | None = None,
@@ -803,7 +919,7 @@ class RouterService:
                 "budget_period": pid,
             }
         )
-        outs.append(
+        out.outs.append(
             (
                 topics.DECISIONS,
                 p.query.id.encode(),
@@ -852,6 +968,7 @@ class RouterService:
                 instance_id="",
                 model="",
                 error=reason[:2000],
+                code=ResultCode.NOT_ROUTED,
                 finished_at=now,
             )
             outs.append(
@@ -898,6 +1015,9 @@ class RouterService:
         self._arrivals[inst] = self._arrivals.get(inst, 0.0) * 0.9 + 0.1 / max(
             self.config.window_s, 1e-3
         )
+
+
+_Placed = tuple[int, Pending, Decision]  # a query the router placed: position in asked, it, how
 
 
 def _input_key(it: Inbound) -> tuple[str, int, int]:

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from routing.types import Budget, InstanceState, InstanceView
+from routing.window import UNLIMITED_USD as UNLIMITED_USD  # one definition, re-exported
 from schemas import ClusterConfig, InstanceSnapshot, TenantBudget
-
-UNLIMITED_USD = 1e12  # Budget needs a finite number; no tenant budget configured means this
 
 
 class LiveLike(Protocol):

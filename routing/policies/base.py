@@ -19,7 +19,7 @@ from routing.policies.common import (
 )
 from routing.policies.context import RouterContext
 from routing.types import Budget, InstanceView
-from schemas import Decision, DecisionStatus, Query
+from schemas import Decision, DecisionFlag, DecisionStatus, Query
 
 
 class SequentialRouter:
@@ -62,11 +62,11 @@ class SequentialRouter:
             room = ledger.room() & win.fits[i]
             candidates = room & ledger.affordable(i)
             if not candidates.any():
-                out.reasons[i] = (
-                    "no free slot on any instance that can hold it"
-                    if not room.any()
-                    else "over the window or tenant budget"
-                )
+                if room.any():
+                    out.reasons[i] = "over the window or tenant budget"
+                    out.flags[i].append(DecisionFlag.BUDGET_DEFERRED)
+                else:
+                    out.reasons[i] = "no free slot on any instance that can hold it"
                 continue
             k = self.choose(win, ledger, i, candidates, out)
             if k < 0:

@@ -276,6 +276,7 @@ class BatchIlpRouter:
                 out.reasons[i] = "no free slot left on its feasible instances in this window"
             else:
                 out.reasons[i] = "did not fit in the window or tenant budget"
+                out.flags[i].append(DecisionFlag.BUDGET_DEFERRED)
 
 
 class BatchIlpSfsRouter(BatchIlpRouter):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from routing.window_defaults import BUDGET_HOLD_S, MAX_BATCH, MAX_HOLD_S
 from wiring.paths import DEFAULT_CLUSTER
 
 DEFAULT_POLICY = "batch-ilp-sfs"
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
         ),
         window_ms: float = typer.Option(50.0, "--window-ms", min=1.0, help="Routing window"),
         max_batch: int = typer.Option(
-            1000, "--max-batch", min=1, help="Queries per window at most"
+            MAX_BATCH, "--max-batch", min=1, help="Queries per window at most"
         ),
         partitions: int = typer.Option(
             4, "--partitions", min=1, help="Partitions of topics it creates"
@@ -55,10 +56,10 @@ def register(app: typer.Typer) -> None:
             2.0, "--stale-after-s", help="Snapshot age that means stale"
         ),
         budget_hold_s: float = typer.Option(
-            2.0, "--budget-hold-s", help="Give up on a query deferred for budget after"
+            BUDGET_HOLD_S, "--budget-hold-s", help="Give up on a query deferred for budget after"
         ),
         max_hold_s: float = typer.Option(
-            60.0, "--max-hold-s", help="Give up on a query waiting for capacity after"
+            MAX_HOLD_S, "--max-hold-s", help="Give up on a query waiting for capacity after"
         ),
         pacing: float = typer.Option(
             0.0,

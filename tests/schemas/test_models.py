@@ -115,3 +115,16 @@ def test_dead_letter_of_a_huge_message_stays_small_and_names_it() -> None:
     import hashlib
 
     assert dl.raw_sha256 == hashlib.sha256(raw).hexdigest()
+
+
+def test_routed_query_bytes_keep_the_query_as_received() -> None:
+    from schemas import Decision, RoutedQuery, routed_query_bytes, routed_query_raw
+
+    raw = b' {"id": "q1", "prompt": "say \\",\\"decision\\":", "ttft_slo_ms": 500}\n'
+    d = Decision(query_id="q1", tenant="default", status="routed", instance_id="i1",
+                 policy="p", decided_at=1.0, reason='a ,"decision": in the reason')  # fmt: skip
+    body = routed_query_bytes(raw, d.model_dump_json(exclude_none=True).encode())
+    rq = RoutedQuery.model_validate_json(body)
+    assert rq.query.id == "q1" and rq.decision == d
+    assert routed_query_raw(body, rq) == raw.strip()
+    assert routed_query_raw(rq.model_dump_json().encode(), rq).startswith(b'{"id":"q1"')

@@ -303,6 +303,33 @@ async def test_route_intent_is_kept_until_routed_and_never_overwrites_a_mark(
         await s.mark_intent_many({"i1": RouteIntent("bad id", "{}")})
 
 
+async def test_a_rerouted_intent_replaces_the_routing_to_the_silent_instance(
+    stores: list[StateStore],
+) -> None:
+    """A rescuer's re-routed copy (its claim made it this router's) is not "taken" by the
+    original routing to the silent instance it comes from (bug 15: it was dropped, and the
+    resumed worker waited on the rescuer's lease for good); a copy routed to a third
+    instance meanwhile (another rescuer got there first) is."""
+    s = stores[0]
+    body = hashlib.sha256(b'{"id":"r1"}').hexdigest()
+    for qid in ("r1", "r2", "r3"):
+        await s.dedupe(qid, body, ttl_s=60)
+    await s.mark_routed_many({"r1": "gpu-1", "r2": "gpu-1", "r3": "gpu-1"})
+    decision = '{"query_id":"r1","status":"routed","instance_id":"gpu-2","flags":["rerouted"]}'
+    assert await s.mark_intent_many({"r1": RouteIntent("gpu-2", decision, "gpu-1")}) == {}
+    entry = await s.dedupe_entry("r1")
+    assert entry is not None and entry.intent == RouteIntent("gpu-2", decision)
+    # not re-routed: the routing to gpu-1 stands, as for any router
+    assert await s.mark_intent_many({"r2": RouteIntent("gpu-2", "{}")}) == {"r2": "gpu-1"}
+    assert await s.mark_routed("r3", "gpu-3")  # re-routed by another rescuer meanwhile
+    assert await stores[1].mark_intent_many({"r3": RouteIntent("gpu-2", "{}", "gpu-1")}) == {
+        "r3": "gpu-3"
+    }
+    assert await s.mark_routed("r1", "gpu-2")
+    entry = await s.dedupe_entry("r1")
+    assert entry is not None and entry.routed_to == "gpu-2" and entry.intent is None
+
+
 async def test_mark_result_first_time_only_and_attempts(stores: list[StateStore]) -> None:
     firsts = await asyncio.gather(
         *(x.mark_result("r1", ttl_s=60, cost_usd=0.0123) for x in stores * 10)

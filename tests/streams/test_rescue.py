@@ -58,9 +58,13 @@ def _cluster(rid: str) -> ClusterConfig:
     )
 
 
+def _raw_query(qid: str) -> bytes:
+    return json.dumps({"id": qid, "prompt": f"what is {qid}?", "ttft_slo_ms": 5000}).encode()
+
+
 def _routed_bytes(qid: str, instance_id: str, decided_at: float, period: str | None) -> bytes:
     """A routed message exactly as ``RouterService`` writes it (raw query body spliced in)."""
-    raw = json.dumps({"id": qid, "prompt": f"what is {qid}?", "ttft_slo_ms": 5000}).encode()
+    raw = _raw_query(qid)
     d = Decision(
         query_id=qid,
         tenant="default",
@@ -271,14 +275,19 @@ def _service(env: dict[str, Any]) -> RouterService:
 
 
 async def _strand(env: dict[str, Any], n: int, old_usd: float = 0.001) -> tuple[list[str], str]:
-    """``n`` copies routed to instance a (reserved and slotted there), which then went silent."""
+    """``n`` copies routed to instance a (deduped, reserved, slotted and marked routed there,
+    as a router leaves them), which then went silent."""
     rid, store = env["rid"], env["store"]
     a = f"{rid}-a"
     now = time.time()
     period = period_id(now, 86400)
     qids = [f"{rid}-q{k}" for k in range(n)]
+    for q in qids:
+        await store.dedupe(q, hashlib.sha256(_raw_query(q)).hexdigest(), ttl_s=600)
     await store.reserve_budget("default", period, 10.0, {q: old_usd for q in qids})
     assert all(await store.reserve_slots(a, 8, qids))
+    # the router's first-intent-wins marks: a re-routed copy must still be routed (bug 15)
+    assert await store.mark_routed_many({q: a for q in qids}) == n
     futs = [
         await env["producer"].send(
             topics.route(a), _routed_bytes(q, a, now - 1.0, period), key=q.encode()

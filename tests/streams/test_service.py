@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import ClusterConfig, DeadLetter, RoutedQuery
-from state import StateStore, period_id
+from state import StateStore, StateUnavailable, period_id
 from streams.app import BatchSink
 from streams.service import Inbound, RouterConfig, RouterService
 from wiring import kafka_admin, topics
@@ -273,6 +273,27 @@ class _PausedBeforeIntent(RouterService):
             self.state = state
 
 
+async def _zombie_and_other(env, cls, tag: str, config: RouterConfig):  # type: ignore[no-untyped-def]
+    """A zombie service of ``cls`` and a window of 6 queries; ``zombie.meanwhile_later`` (to
+    set as its ``meanwhile``) has another router handle that window, its outcome in ``took``."""
+    from tests.streams.fake_router import SpreadRouter
+
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    spec = cluster(rid)
+    raws = [body(f"{rid}-{tag}{k}") for k in range(6)]
+    window = [Inbound(r, "queries", 0, k) for k, r in enumerate(raws)]
+    zombie = cls(spec, SpreadRouter(spec), store, BatchSink(producer), config, period_id=period_id)
+    other = make_service(rid, store, producer)
+    took: list[object] = []
+
+    async def meanwhile() -> None:
+        took.append((await other.handle(window))[0])
+
+    zombie.meanwhile_later = meanwhile
+    return zombie, window, took
+
+
 async def test_a_paused_router_waking_mid_window_does_not_route_again(
     env, kafka_bootstrap: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -280,22 +301,11 @@ async def test_a_paused_router_waking_mid_window_does_not_route_again(
     by another router while it was paused; when it wakes, theirs stands and it produces
     nothing for them, and gives back the slots it took."""
     rid, store, producer = env
-    await heartbeat(store, rid)
     since = int(time.time() * 1000)
-    spec = cluster(rid)
-    from tests.streams.fake_router import SpreadRouter
-
-    raws = [body(f"{rid}-z{k}") for k in range(6)]
-    window = [Inbound(r, "queries", 0, k) for k, r in enumerate(raws)]
-    zombie = _PausedBeforeIntent(spec, SpreadRouter(spec), store, BatchSink(producer),
-                                 RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
-    other = make_service(rid, store, producer)
-    took: list[object] = []
-
-    async def meanwhile() -> None:
-        took.append((await other.handle(window))[0])
-
-    zombie.meanwhile = meanwhile
+    zombie, window, took = await _zombie_and_other(
+        env, _PausedBeforeIntent, "z", RouterConfig(window_s=0.01)
+    )
+    zombie.meanwhile = zombie.meanwhile_later
     woke, unfinished = await zombie.handle(window)
     assert took and took[0].routed == 6  # type: ignore[attr-defined]
     assert woke.routed == 0 and unfinished == []
@@ -309,6 +319,54 @@ async def test_a_paused_router_waking_mid_window_does_not_route_again(
     assert all(len(c) == 1 for c in copies.values()), f"routed twice: {copies}"
     held = [q for i in (f"{rid}-a", f"{rid}-b") for q in await store.slots_held(i)]
     assert sorted(held) == sorted(copies)  # the other router's slots: the zombie gave its own back
+
+
+class _PausedInRedisCall(RouterService):
+    """A router stopped (SIGSTOP) during a Redis call for longer than its group session: on
+    waking, that call's timeout has run out (``StateUnavailable``) though Redis is fine, and
+    meanwhile ``meanwhile`` (another router) routed its re-delivered inputs."""
+
+    meanwhile: Callable[[], object] | None = None
+
+    async def _see(self, now: float, blind: bool):  # type: ignore[no-untyped-def]
+        if not blind and self.meanwhile is not None:
+            go, self.meanwhile = self.meanwhile, None
+            await go()  # type: ignore[misc]
+            await asyncio.sleep(1.5 * self.config.group_session_s)
+            raise StateUnavailable("unavailable during snapshot: Timeout reading (stopped)")
+        return await super()._see(now, blind)
+
+
+async def test_a_router_paused_in_a_redis_call_does_not_route_blind(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Scenario 9's routed-twice: the zombie woke to a timeout of the call it was stopped in
+    and routed its window blind (no cross-router check), after another router had routed
+    those queries. A window attempt that outlasted the group session is retried instead;
+    the retry finds them routed and drops them."""
+    rid, store, producer = env
+    since = int(time.time() * 1000)
+    zombie, window, took = await _zombie_and_other(
+        env, _PausedInRedisCall, "p", RouterConfig(window_s=0.01, group_session_s=0.2)
+    )
+    # a window before the stop: the zombie knows the instances and the budget (what it
+    # would route blind from)
+    warm, _ = await zombie.handle([Inbound(body(f"{rid}-w"), "queries", 1, 0)])
+    assert warm.routed == 1
+    zombie.meanwhile = zombie.meanwhile_later
+    woke, unfinished = await zombie.handle(window)
+    assert took and took[0].routed == 6  # type: ignore[attr-defined]
+    assert woke.routed == 0 and len(unfinished) == 6  # retried, not routed blind
+    again, left = await zombie.handle([])
+    assert again.routed == 0 and again.dropped_duplicates == 6 and left == []
+    copies: dict[str, list[str]] = {}
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        for _, v in await read_topic(
+            kafka_bootstrap, topics.route(iid), since, lambda got: len(got) >= 1
+        ):
+            copies.setdefault(RoutedQuery.model_validate_json(v).query.id, []).append(iid)
+    assert sorted(copies) == sorted([f"{rid}-p{k}" for k in range(6)] + [f"{rid}-w"])
+    assert all(len(c) == 1 for c in copies.values()), f"routed twice: {copies}"
 
 
 class _Faulty:
@@ -446,3 +504,59 @@ async def test_a_fault_at_each_stage_is_contained(
     else:  # commit: its worker answers it; validate: no query could be read from it
         assert poison not in results
     assert not others & set(results)  # the routed ones get no error Result
+
+
+class _SinkDownOnce:
+    """A sink whose next ``send_all`` after ``arm()`` fails as a broker away would (nothing
+    written)."""
+
+    def __init__(self, inner: BatchSink) -> None:
+        self.inner, self.armed, self.failed = inner, False, 0
+
+    def arm(self) -> None:
+        self.armed = True
+
+    async def send_all(self, outs: list[tuple[str, bytes, bytes]]) -> None:
+        if self.armed:
+            self.armed, self.failed = False, self.failed + 1
+            from aiokafka.errors import KafkaTimeoutError
+
+            raise KafkaTimeoutError("injected: broker away")
+        await self.inner.send_all(outs)
+
+
+async def test_a_held_query_whose_window_failed_to_produce_is_routed_on_the_retry(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A query held in one window (no live instance), routed in the next, whose produce
+    failed after its route intent was recorded: the retry decides it again, and must not
+    take its own recorded intent for another router's (dropped: lost)."""
+    from tests.streams.fake_router import SpreadRouter
+
+    rid, store, producer = env
+    since = int(time.time() * 1000)
+    spec = cluster(rid)
+    done: list[Inbound] = []
+    sink = _SinkDownOnce(BatchSink(producer))
+    svc = RouterService(spec, SpreadRouter(spec), store, sink, RouterConfig(window_s=0.01),
+                        on_done=done.append, period_id=period_id)  # fmt: skip
+    qid = f"{rid}-h0"
+    first, unfinished = await svc.handle([Inbound(body(qid), "queries", 0, 0)])
+    assert first.routed == 0 and len(unfinished) == 1  # held: no live instance yet
+    await heartbeat(store, rid)
+    sink.arm()
+    failed, _ = await svc.handle([])  # routed, intent recorded, produce failed
+    assert failed.routed == 0 and sink.failed == 1
+    for _ in range(5):
+        await asyncio.sleep(0.05)
+        await svc.handle([])
+        if done:
+            break
+    copies = [
+        RoutedQuery.model_validate_json(v).query.id
+        for iid in (f"{rid}-a", f"{rid}-b")
+        for _, v in await read_topic(
+            kafka_bootstrap, topics.route(iid), since, lambda got: len(got) >= 1
+        )
+    ]
+    assert copies == [qid], f"the held query was acknowledged without being routed: {copies}"

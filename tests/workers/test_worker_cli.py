@@ -3,6 +3,7 @@ a clean exit on SIGTERM; a bad cluster file is refused with a message naming the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,9 +14,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import Decision, Query, RoutedQuery
+from state import StateStore
 from switchyard.client import SwitchyardClient
 from wiring import topics
 
@@ -131,18 +135,61 @@ def test_worker_command_refuses_a_bad_cluster_file(tmp_path: Path) -> None:
     assert f"error: {bad}:" in proc.stderr and "models" in proc.stderr
 
 
+async def _mid_stream(store: StateStore, iid: str, ids: list[str], timeout_s: float) -> str:
+    """A query the worker is decoding, far from its end and not answered: the moment to kill."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in await store.residents(iid):
+            if 0 < r.decoded_tokens <= 33 and not await store.has_result(r.query_id):
+                return r.query_id
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"no query of {ids} seen mid-stream on {iid} within {timeout_s} s")
+
+
+async def _left_by(
+    kafka_bootstrap: str, redis_url: str, namespace: str, iid: str, ids: list[str]
+) -> tuple[int, list[str]]:
+    """What a killed worker left: how many messages its group committed past, and the queries
+    it started (an attempt mark) without marking their result — each is run again."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(topics.worker_group(iid))
+    finally:
+        await admin.close()
+    done = sum(max(0, meta.offset) for meta in committed.values())
+    store = await StateStore.connect(redis_url, namespace=namespace)
+    r = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        started = [
+            q for q in ids
+            if int(await r.get(store.keys.attempt(q)) or 0) >= 1 and not await store.has_result(q)
+        ]  # fmt: skip
+    finally:
+        await r.aclose()
+        await store.close()
+    return done, started
+
+
 async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
     kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
     """SIGKILL a worker with queries in flight, start another: every query gets a result,
-    and the queries that were running when it died are re-run (``Result.attempt`` 2)."""
+    the queries started but not answered when it died are re-run (``Result.attempt`` 2), and
+    the new worker reads exactly what the dead one had not committed.
+
+    The kill is timed on the worker's own progress in Redis (a query mid-decode), not on a
+    result reaching this test: on a loaded machine the first result could arrive after the
+    worker had finished (and committed) more, or all, of the queries.
+    """
     iid = "kill-" + uuid.uuid4().hex[:8]
     cluster = _cluster_file(tmp_path, iid)
     data = json.loads(cluster.read_text())
     data["models"][0]["max_concurrency"] = 2
     cluster.write_text(json.dumps(data))
     env = _env(kafka_bootstrap, redis_url, "kill")
-    cmd = _worker_cmd(iid, cluster, "--time-scale", "0.5", "--heartbeat-s", "0.2")
+    # 60 tokens of ~3 ms engine steps at 0.1x: ~1.8 s a query, so a kill mid-decode lands there
+    cmd = _worker_cmd(iid, cluster, "--time-scale", "0.1", "--heartbeat-s", "0.2")
 
     def start(name: str) -> subprocess.Popen[bytes]:
         with open(tmp_path / name, "wb") as out:
@@ -151,6 +198,7 @@ async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
     ids = [f"{iid}-{i}" for i in range(8)]
     first = start("first.log")
     second: subprocess.Popen[bytes] | None = None
+    store = await StateStore.connect(redis_url, namespace=env["SWITCHYARD_NAMESPACE"])
     try:
         async with SwitchyardClient(kafka_bootstrap) as client:
             producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
@@ -173,11 +221,16 @@ async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
             finally:
                 await producer.stop()
             await client.result(ids[0], timeout_s=45)
+            await _mid_stream(store, iid, ids, timeout_s=45)
             first.send_signal(signal.SIGKILL)  # the process this test started, by pid
             first.wait(timeout=10)
+            committed, started = await _left_by(
+                kafka_bootstrap, redis_url, env["SWITCHYARD_NAMESPACE"], iid, ids
+            )
             second = start("second.log")
             results = {qid: await client.result(qid, timeout_s=45) for qid in ids}
     finally:
+        await store.close()
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -187,9 +240,12 @@ async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
     )
     log = (tmp_path / "second.log").read_text()
     assert second is not None and second.returncode == 0, log
-    # the queries in flight when the worker died ran again: those on the engine (at most its
-    # concurrency, 2) and any finished but not yet marked published
     counts = json.loads(log.rsplit("stopped: ", 1)[1].strip().replace("'", '"'))
-    assert 1 <= counts["reruns"] < len(ids), counts
+    # killed mid-decode: at least that query was started and not answered
+    assert 1 <= len(started) < len(ids), (started, counts)
+    # exactly those ran again (on the engine when it died, or finished but not yet marked)
+    assert counts["reruns"] == len(started), (started, counts)
     assert [r.attempt for r in results.values()].count(2) <= counts["reruns"]
-    assert counts["results"] + counts["duplicates_skipped"] >= len(ids) - 1
+    # every message past the dead worker's commit was read once: answered, or skipped as
+    # answered already (published and marked, not yet committed)
+    assert counts["results"] + counts["duplicates_skipped"] == len(ids) - committed, counts
