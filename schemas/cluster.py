@@ -26,6 +26,7 @@ class SchedulerConfig(BaseModel):
     kv_blocks: int = Field(default=1_000_000, ge=1)
     block_size_tokens: int = Field(default=16, ge=1, le=4096)
     shared_prefix_tokens: int = Field(default=0, ge=0)  # prefix-cache hit for every request
+    prefix_caching: bool = True  # vLLM's --enable-prefix-caching (real servers; on by default)
 
 
 class StepTimeCoefficients(BaseModel):
@@ -55,7 +56,8 @@ class ModelSpec(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     rate_limit_rps: float | None = Field(default=None, gt=0)  # cloud endpoints
     mean_output_tokens: float | None = Field(default=None, gt=0)
-    # Output cap sent to the engine when a query sets none; the budget ledger reserves up to it.
+    # Output cap sent to the engine when a query sets none (cut to what max_model_len leaves
+    # after the prompt: ``default_output_cap_tokens``); the budget ledger reserves up to it.
     max_output_tokens: int = Field(default=4096, ge=1, le=1_000_000)
     # The engine's context window (vLLM ``--max-model-len``): prompt + output tokens of one
     # request must fit in it. None: not known (no length check against the model).
@@ -72,9 +74,22 @@ class ModelSpec(BaseModel):
     def cost_usd(self, prompt_tokens: float, output_tokens: float) -> float:
         return self.input_usd_per_token * prompt_tokens + self.output_usd_per_token * output_tokens
 
-    def output_cap_tokens(self, query: Query) -> int:
-        """The most output tokens ``query`` may produce here (its own cap, else the model's)."""
-        return query.output_cap_tokens() or self.max_output_tokens
+    def default_output_cap_tokens(self, prompt_tokens: int) -> int:
+        """The cap sent for a query that sets none: ``max_output_tokens``, cut to what the
+        context leaves after the prompt (vLLM answers 400 to a ``max_tokens`` that does not
+        fit), and at least 1."""
+        return max(1, min(self.max_output_tokens, self.context_tokens() - prompt_tokens))
+
+    def output_cap_tokens(self, query: Query, prompt_tokens: int | None = None) -> int:
+        """The most output tokens ``query`` may produce here: its own cap, else
+        ``default_output_cap_tokens`` of its prompt (``prompt_tokens``, by default the
+        query's own estimate, which is what the router and the worker both count)."""
+        own = query.output_cap_tokens()
+        if own:
+            return own
+        if prompt_tokens is None:
+            prompt_tokens = query.estimated_prompt_tokens()
+        return self.default_output_cap_tokens(prompt_tokens)
 
     def max_cost_usd(self, query: Query) -> float:
         """An upper bound of what ``query`` can cost on this model.

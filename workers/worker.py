@@ -641,6 +641,7 @@ class Worker:
             prompt_tokens,
             predicted,
             on_text=relay.text if relay is not None else None,
+            output_cap_tokens=self.spec.output_cap_tokens(q, prompt_tokens),
         )
         try:
             return await self.backend.generate(req, on_progress)

@@ -201,7 +201,8 @@ def context_fits(
     """Which instances can hold each query: prompt + output cap <= the model's context.
 
     The output cap is the query's own (``max_tokens``), else the model's
-    ``max_output_tokens`` — what the worker sends the engine, which refuses a request
+    ``max_output_tokens`` cut to what the context leaves after the prompt
+    (``ModelSpec.default_output_cap_tokens``) — what the worker sends the engine, which refuses a request
     whose prompt plus cap exceeds ``max_model_len`` (and no request may outgrow the KV
     cache: ``ModelSpec.context_tokens``). Returns the ``[n, K]`` mask, a reason per query
     that fits no instance in view, and which of those fit no model of the cluster at all
@@ -213,7 +214,10 @@ def context_fits(
     specs = list(ctx.cluster.models)
     limit_m = np.array([s.context_tokens() for s in specs], dtype=np.int64)
     default_m = np.array([s.max_output_tokens for s in specs], dtype=np.int64)
-    need_m = prompt[:, None] + np.where(qcap[:, None] > 0, qcap[:, None], default_m[None, :])
+    # no own cap: the model's default cut to what the context leaves (>= 1 token), as
+    # ModelSpec.default_output_cap_tokens — such a query fits when its prompt leaves room
+    default_cap = np.maximum(1, np.minimum(default_m[None, :], limit_m[None, :] - prompt[:, None]))
+    need_m = prompt[:, None] + np.where(qcap[:, None] > 0, qcap[:, None], default_cap)
     fits_m = need_m <= limit_m[None, :]
     index = {s.name: m for m, s in enumerate(specs)}
     cols = np.array([index.get(v.model, -1) for v in views], dtype=np.int64)

@@ -202,7 +202,6 @@ def test_every_policy_decides_long_context_on_nearly_full_caches(name: str) -> N
     cfg = cluster()
     ctx = RouterContext.build(cfg, FakeQuality())
     limit = {m.name: m.context_tokens() for m in cfg.models}
-    cap_out = {m.name: m.max_output_tokens for m in cfg.models}
     router = make_router(name, ctx)
     rng = np.random.default_rng(sorted(ROUTERS).index(name))
     for window in range(4):
@@ -212,7 +211,9 @@ def test_every_policy_decides_long_context_on_nearly_full_caches(name: str) -> N
         assert [d.query_id for d in ds] == [q.id for q in qs]
         for q, d in zip(qs, ds, strict=True):
             assert q.prompt_tokens is not None
-            fits_any = any(q.prompt_tokens + cap_out[m] <= limit[m] for m in limit)
+            # no max_tokens: the cap is each model's default cut to what its context leaves
+            need = {m.name: q.prompt_tokens + m.output_cap_tokens(q) for m in cfg.models}
+            fits_any = any(need[m] <= limit[m] for m in limit)
             if not fits_any:
                 assert d.status == DecisionStatus.REJECTED, d
                 assert d.reason and f"prompt of {q.prompt_tokens} tokens" in d.reason
@@ -221,12 +222,12 @@ def test_every_policy_decides_long_context_on_nearly_full_caches(name: str) -> N
             assert d.status != DecisionStatus.REJECTED
             if d.status == DecisionStatus.ROUTED:
                 assert d.model is not None
-                assert q.prompt_tokens + cap_out[d.model] <= limit[d.model], d
+                assert need[d.model] <= limit[d.model], d
                 if d.predicted_ttft_ms is not None:
                     assert d.predicted_ttft_ms < UNSERVABLE_MS
             else:
                 assert d.reason
-    # the 140k and 131k prompts fit no model (large: 133,120 - 2,048 output cap)
+    # the 140k prompt fits no model; 131k fits large (133,120) with the cap cut to 2,048
     assert limit == {"small": 32_000, "mid": 65_536, "large": 133_120}
 
 
@@ -239,3 +240,39 @@ def test_a_query_only_an_absent_model_could_hold_is_deferred_not_rejected() -> N
         d = make_router(name, ctx).decide([q], views, Budget(window_usd=1e6), now=0.0)[0]
         assert d.status == DecisionStatus.DEFERRED, name
         assert d.reason and "fits only model(s) large" in d.reason
+
+
+def test_a_query_without_max_tokens_gets_the_cap_its_context_leaves() -> None:
+    """max_model_len 2,048, default cap 4,096: a 1,500-token prompt is routed with a cap of
+    548 (never 4,096, which vLLM refuses); a 2,048-token prompt leaves no output token and
+    is rejected with the sizes named."""
+    spec_m = {"name": "tiny", "input_usd_per_token": 1e-7, "output_usd_per_token": 1e-7,
+              "max_model_len": 2_048, "step_time": {"c0_ms": 5.0, "c1_ms_per_token": 0.02,
+              "c2_ms_per_ctx_token": 1e-4, "c3_ms_per_attn_unit": 1e-6}}  # fmt: skip
+    cfg = ClusterConfig.model_validate(
+        {"models": [spec_m], "instances": [{"id": "tiny-0", "model": "tiny"}]}
+    )
+    spec = cfg.model("tiny")
+    ok = Query(id="ok", prompt="x", prompt_tokens=1_500)
+    full = Query(id="full", prompt="x", prompt_tokens=2_048)
+    own = Query(id="own", prompt="x", prompt_tokens=1_500, max_tokens=600)
+    assert spec.output_cap_tokens(ok) == 548 and spec.output_cap_tokens(own) == 600
+    assert spec.max_cost_usd(ok) == pytest.approx(spec.cost_usd(ok.prompt_tokens_upper_bound(), 548))
+
+    class OneModel:
+        models = ["tiny"]
+
+        def predict(self, texts: Sequence[str]) -> Estimate:
+            mean = np.full((len(texts), 1), 0.5)
+            return Estimate(mean, mean - 0.1)
+
+    ctx = RouterContext.build(cfg, OneModel())
+    view = InstanceView("tiny-0", "tiny", InstanceState.empty(), free_slots=8)
+    for name in sorted(ROUTERS):
+        got = make_router(name, ctx).decide([ok, full, own], [view], Budget(window_usd=1e6), now=0.0)
+        status = {d.query_id: d for d in got}
+        assert status["ok"].status == DecisionStatus.ROUTED, (name, status["ok"])
+        assert status["full"].status == DecisionStatus.REJECTED, (name, status["full"])
+        reason = status["full"].reason or ""
+        assert "prompt of 2048 tokens" in reason and "2048 tokens, tiny" in reason, reason
+        assert status["own"].status == DecisionStatus.REJECTED, (name, status["own"])

@@ -13,7 +13,7 @@ from schemas import Query, Result
 from wiring import topics
 from wiring.settings import Settings, SettingsError, redact_url
 from workers import synth
-from workers.backends.vllm import parse_engine_load, request_body
+from workers.backends.vllm import parse_engine_load, refit_cap, request_body
 from workers.offsets import OffsetTracker
 from workers.realtime import parse_coefficients
 from workers.timings import RequestTiming, StepBatch, parse_report
@@ -314,3 +314,42 @@ def test_prefix_counters_from_real_vllm_metrics_and_the_reconciler() -> None:
     rec.served(5_000.0)
     assert rec.scrape((70_000.0, 15_000.0)) is None  # as predicted: unchanged
     assert rec.scrape((10.0, 0.0)) is None  # counters went down: engine restarted
+
+
+def test_refit_cap_reads_both_vllm_context_messages() -> None:
+    old = ("This model's maximum context length is 2048 tokens. However, you requested 2100 "
+           "tokens (1500 in the messages, 600 in the completion).")  # fmt: skip
+    new = ("'max_tokens' or 'max_completion_tokens' is too large: 4096. This model's maximum "
+           "context length is 2048 tokens and your request has 1700 input tokens "
+           "(4096 > 2048 - 1700).")  # fmt: skip
+    assert refit_cap(old) == 548
+    assert refit_cap(new) == 348
+    assert refit_cap("This model's maximum context length is 2048 tokens. However, your "
+                     "request has 2048 input tokens.") is None  # fmt: skip
+    assert refit_cap("HTTP 500: boom") is None
+
+
+def test_the_default_cap_sent_is_cut_to_the_context() -> None:
+    from schemas import ModelSpec
+
+    spec = ModelSpec(name="m", input_usd_per_token=0, output_usd_per_token=0, max_model_len=2048)
+    q = Query(id="q", prompt="x" * 6000)  # ~1,500 tokens by the 4-bytes estimate
+    cap = spec.output_cap_tokens(q, q.estimated_prompt_tokens())
+    assert cap == 2048 - 1500
+    _, body = request_body(q, "m", cap)
+    assert body["max_tokens"] == 548
+    _, body = request_body(q.model_copy(update={"max_tokens": 7}), "m", cap)
+    assert body["max_tokens"] == 7
+
+
+def test_every_shipped_cluster_names_max_model_len_on_every_model() -> None:
+    from pathlib import Path
+
+    from schemas import ClusterConfig
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(root.glob("clusters/*.yaml")) + [root / "demo-cluster.yaml"]
+    assert len(files) >= 6
+    for f in files:
+        missing = [m.name for m in ClusterConfig.from_file(f).models if m.max_model_len is None]
+        assert not missing, f"{f.name}: no max_model_len on {missing}"

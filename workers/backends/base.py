@@ -25,6 +25,9 @@ class GenerationRequest:
     prompt_tokens: int  # the producer's count, else an estimate
     predicted_output_tokens: int
     on_text: TextFn | None = None  # set when the text is relayed while it streams
+    # the output cap to send when the query sets none (ModelSpec.output_cap_tokens: the
+    # model's default cut to what max_model_len leaves after the prompt)
+    output_cap_tokens: int | None = None
 
 
 @dataclass(frozen=True)

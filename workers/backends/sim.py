@@ -63,12 +63,9 @@ class SimBackend:
     async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
         q = req.query
         seed_text = f"{q.seed}\x1f{q.text()}" if q.seed is not None else q.text()
-        cap = q.output_cap_tokens() or self.spec.max_output_tokens
+        cap = self.spec.output_cap_tokens(q, req.prompt_tokens)
         n_out = synth.output_tokens(
-            q.output_cap_tokens(),
-            seed_text,
-            self.spec.mean_output_tokens or 128.0,
-            cap_tokens=self.spec.max_output_tokens,
+            q.output_cap_tokens(), seed_text, self.spec.mean_output_tokens or 128.0, cap_tokens=cap
         )
         sent_at = time.time()
         first: float | None = None

@@ -48,6 +48,20 @@ _METRIC = re.compile(
     r"(?:\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)\s*$"
 )
 
+_CONTEXT = re.compile(r"maximum context length is (\d+)")
+_INPUT = re.compile(r"(\d+) (?:in the messages|in the prompt|input tokens)")
+
+
+def refit_cap(message: str) -> int | None:
+    """The output cap that fits, from vLLM's 400 for a ``max_tokens`` past the context
+    ("maximum context length is C tokens … P in the messages" / "… has P input tokens"):
+    ``C - P``, or None when the message is not that or no output token fits."""
+    ctx, inp = _CONTEXT.search(message), _INPUT.search(message)
+    if ctx is None or inp is None:
+        return None
+    cap = int(ctx.group(1)) - int(inp.group(1))
+    return cap if cap >= 1 else None
+
 
 @dataclass(frozen=True)
 class VllmConfig:
@@ -171,7 +185,9 @@ class VllmBackend:
     async def generate(self, req: GenerationRequest, on_progress: ProgressFn) -> Generation:
         if self._client is None:
             raise RuntimeError("VllmBackend.generate called before start()")
-        path, body = request_body(req.query, self.config.model, self.config.max_output_tokens)
+        path, body = request_body(
+            req.query, self.config.model, req.output_cap_tokens or self.config.max_output_tokens
+        )
         sent_at = time.time()
         attempt = 0
         while True:
@@ -201,6 +217,20 @@ class VllmBackend:
                 state.error = (
                     f"stream from {self.base_url}{path} broke: {type(exc).__name__}: {exc}"
                 )
+            refit = (
+                refit_cap(state.error)
+                if state.error is not None and state.error.startswith("HTTP 400")
+                and req.query.output_cap_tokens() is None and not state.parts
+                and body.get("max_tokens") is not None
+                else None
+            )  # fmt: skip
+            if refit is not None and refit < body["max_tokens"]:
+                # our prompt count was short of the engine's: the default cap it left did not
+                # fit; once more with the cap the engine's own count leaves (never larger)
+                log.info("query %s: output cap %d does not fit; retry with %d",
+                         req.query.id, body["max_tokens"], refit)  # fmt: skip
+                body = {**body, "max_tokens": refit}
+                continue
             return state.result(sent_at, attempt)
 
     async def _stream(
