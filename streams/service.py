@@ -675,32 +675,42 @@ class RouterService:
         self, asked: Sequence[Pending], decisions: Sequence[Decision], money: Money, blind: bool
     ) -> dict[int, Lost]:
         """Stage 4: reserve budget per tenant, then capacity per instance, each one atomic
-        call. Returns the positions (in ``asked``) whose reservation failed, and why."""
+        call (blind: from the blind ledger, owed to Redis). Returns the positions (in
+        ``asked``) whose reservation failed, and why."""
         placed = [
             (k, p, d)
             for k, (p, d) in enumerate(zip(asked, decisions, strict=True))
             if d.status in _PLACED and d.instance_id
         ]
-        lost: dict[int, Lost] = {}
-        tws = money.tenant_windows
         if blind:
-            for k, p, d in placed:
-                tw = tws.get(p.query.tenant)
-                short = self._blind.take(
-                    tw.tenant if tw else None,
-                    tw.period_id if tw else None,
-                    str(d.instance_id),
-                    p.query.id,
-                    self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query),
-                )
-                if short:
-                    lost[k] = Lost(HoldReason.BLIND_SHORT, short)
-            return lost  # nothing to reserve in Redis now: the ledger owes it
-        by_tenant: dict[str, list[tuple[int, Pending, Decision]]] = {}
+            return self._reserve_blind(placed, money)
+        lost = await self._reserve_budget(placed, money)
+        await self._reserve_slots([t for t in placed if t[0] not in lost], money, lost)
+        return lost
+
+    def _reserve_blind(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
+        lost: dict[int, Lost] = {}
         for k, p, d in placed:
-            by_tenant.setdefault(p.query.tenant, []).append((k, p, d))
+            tw = money.tenant_windows.get(p.query.tenant)
+            short = self._blind.take(
+                tw.tenant if tw else None,
+                tw.period_id if tw else None,
+                str(d.instance_id),
+                p.query.id,
+                self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query),
+            )
+            if short:
+                lost[k] = Lost(HoldReason.BLIND_SHORT, short)
+        return lost
+
+    async def _reserve_budget(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
+        """Each tenant's worst-case spend, one atomic call per tenant with a budget."""
+        lost: dict[int, Lost] = {}
+        by_tenant: dict[str, list[_Placed]] = {}
+        for t in placed:
+            by_tenant.setdefault(t[1].query.tenant, []).append(t)
         for tenant, group in by_tenant.items():
-            tw = tws.get(tenant)
+            tw = money.tenant_windows.get(tenant)
             if tw is None:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
@@ -718,10 +728,15 @@ class RouterService:
             self._blind.observe_budget(
                 tenant, tw.period_id, tw.limit_usd, money.spent[tenant] + taken
             )
+        return lost
+
+    async def _reserve_slots(
+        self, placed: Sequence[_Placed], money: Money, lost: dict[int, Lost]
+    ) -> None:
+        """One atomic call per instance; a query that lost its slot gives its budget back."""
         by_instance: dict[str, list[tuple[int, Pending]]] = {}
         for k, p, d in placed:
-            if k not in lost:
-                by_instance.setdefault(str(d.instance_id), []).append((k, p))
+            by_instance.setdefault(str(d.instance_id), []).append((k, p))
         released: dict[tuple[str, str], list[str]] = {}
         for instance_id, slots in by_instance.items():
             max_slots = self.cluster.model_of(instance_id).max_concurrency
@@ -734,12 +749,11 @@ class RouterService:
             for (k, p), accepted in zip(slots, oks, strict=True):
                 if not accepted:
                     lost[k] = Lost(HoldReason.SLOT_LOST, full)
-                    tw = tws.get(p.query.tenant)
+                    tw = money.tenant_windows.get(p.query.tenant)
                     if tw is not None:
                         released.setdefault((p.query.tenant, tw.period_id), []).append(p.query.id)
         for (tenant, period), qids in released.items():
             await self.state.release_budget(tenant, period, qids)
-        return lost
 
     def _emit_routed(
         self,
@@ -1001,6 +1015,9 @@ class RouterService:
         self._arrivals[inst] = self._arrivals.get(inst, 0.0) * 0.9 + 0.1 / max(
             self.config.window_s, 1e-3
         )
+
+
+_Placed = tuple[int, Pending, Decision]  # a query the router placed: position in asked, it, how
 
 
 def _input_key(it: Inbound) -> tuple[str, int, int]:
