@@ -97,7 +97,9 @@ class WorkerConfig:
     # is routed to and consumes nothing: bug 10, the losses of faults scenario 4.
     metadata_refresh_s: float = 5.0
     # how long start-up waits for the engine to answer GET /v1/models (a real vLLM takes
-    # 30-105 s to load); no heartbeat and no consuming until it does
+    # 30-105 s to load) before consuming; past it the worker consumes with its instance
+    # unavailable (no heartbeat: queries already routed here get error Results, never
+    # silence) and checks the model when the engine first answers
     engine_start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -190,6 +192,7 @@ class Worker:
         self._started = asyncio.Event()
         # the engine failed its last health probe: no heartbeat (routers stop routing here)
         self._engine_lost = False
+        self._model_checked = False  # GET /v1/models named this instance's model
         self.counts = {
             "results": 0,
             "errors": 0,
@@ -274,7 +277,8 @@ class Worker:
     async def _engine_ready(self, stop: asyncio.Event) -> bool:
         """Wait until the engine answers and serves this instance's model (before any
         heartbeat); False when ``stop`` came first. ``WorkerFatal`` when it serves another
-        model or does not answer within ``engine_start_timeout_s``."""
+        model. Past ``engine_start_timeout_s`` without an answer: True, with the engine
+        marked lost (the heartbeat loop checks the model once it answers)."""
         deadline = time.monotonic() + self.config.engine_start_timeout_s
         said = 0.0
         while True:
@@ -283,10 +287,14 @@ class Worker:
             except EngineUnavailable as exc:
                 now = time.monotonic()
                 if now >= deadline:
-                    raise WorkerFatal(
-                        f"worker {self.instance_id}: the engine did not answer within "
-                        f"{self.config.engine_start_timeout_s:g} s: {exc}"
-                    ) from exc
+                    log.error(
+                        "worker %s: the engine did not answer within %g s (%s); consuming with "
+                        "the instance unavailable", self.instance_id,
+                        self.config.engine_start_timeout_s, exc,
+                    )  # fmt: skip
+                    self._engine_lost = True
+                    self.metrics.engine_up.set(0)
+                    return True
                 if now - said >= 10.0:
                     log.warning("worker %s: waiting for the engine: %s", self.instance_id, exc)
                     said = now
@@ -296,12 +304,13 @@ class Worker:
                     return False
                 continue
             if problem is not None:
-                raise WorkerFatal(
-                    f"worker {self.instance_id} (model {self.spec.name!r}) refuses to start: "
-                    f"{problem}"
-                )
+                raise WorkerFatal(self._wrong_model(problem))
+            self._model_checked = True
             self.metrics.engine_up.set(1)
             return True
+
+    def _wrong_model(self, problem: str) -> str:
+        return f"worker {self.instance_id} (model {self.spec.name!r}) refuses to start: {problem}"
 
     async def _consume(self, stop: asyncio.Event) -> None:
         assert self._consumer is not None
@@ -885,6 +894,15 @@ class Worker:
                 )  # fmt: skip
             await self._best_effort(self.state.instance_down(self.instance_id))
             return
+        if not self._model_checked:
+            try:
+                problem = await self.backend.model_problem()
+            except EngineUnavailable:
+                return  # answered /health, not /v1/models yet: still unavailable
+            if problem is not None:
+                self._fatal = WorkerFatal(self._wrong_model(problem))  # stops consuming
+                return
+            self._model_checked = True
         if self._engine_lost:
             self._engine_lost = False
             self.metrics.engine_up.set(1)
