@@ -26,6 +26,7 @@ class SchedulerConfig(BaseModel):
     kv_blocks: int = Field(default=1_000_000, ge=1)
     block_size_tokens: int = Field(default=16, ge=1, le=4096)
     shared_prefix_tokens: int = Field(default=0, ge=0)  # prefix-cache hit for every request
+    prefix_caching: bool = True  # vLLM's --enable-prefix-caching (real servers; on by default)
 
 
 class StepTimeCoefficients(BaseModel):

@@ -579,7 +579,12 @@ def down(
     for name, rec in load_records(home).items():
         if names and name not in names:
             continue
-        stop_record(rec, home, keep_data=False if purge else None)
+        if rec.extra.get("process_group"):  # a vLLM server: its API server, engine and worker
+            from switchyard import vllm_servers
+
+            vllm_servers.stop_group(rec, home)
+        else:
+            stop_record(rec, home, keep_data=False if purge else None)
         stopped.append(name)
     return stopped
 

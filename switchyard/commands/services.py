@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -41,6 +42,15 @@ def register(app: typer.Typer) -> None:
         redis_replicas: int = typer.Option(
             0, help="With --redis-cluster: replicas per primary (1 for failover)"
         ),
+        vllm: int = typer.Option(
+            0,
+            help="N >= 1: also start N real vLLM servers (CPU build, random weights), one per "
+            "local instance of --vllm-cluster, with that model's engine settings",
+        ),
+        vllm_cluster: Path = typer.Option(
+            Path("configs/clusters/real-vllm-cpu.yaml"),
+            help="Cluster config whose instances the vLLM servers serve (ports from endpoints)",
+        ),
     ) -> None:
         """Start the services (idempotent) and print their addresses as env lines.
 
@@ -63,11 +73,43 @@ def register(app: typer.Typer) -> None:
                 )
             if kafka:
                 services.kafka_up(port=kafka_port or None)
-        except services.ServiceError as exc:
+            if vllm:
+                from schemas.cluster import ClusterConfig
+                from switchyard import vllm_servers
+
+                cluster = ClusterConfig.from_file(vllm_cluster)
+                for rec in vllm_servers.vllm_up(cluster, count=vllm):
+                    typer.echo(
+                        f"# vLLM {rec.extra['instance']} ({rec.extra['model']}) at {rec.address}, "
+                        f"pid {rec.pid}, ready in {rec.extra.get('ready_s', '?')} s"
+                    )
+        except (services.ServiceError, RuntimeError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         for line in [*services.env_lines(), *clusters.env_lines()]:
             typer.echo(line)
+
+    @svc.command("install-vllm")
+    def install_vllm() -> None:
+        """Build (once) the real vLLM engine's own venv under ~/.cache/switchyard; print it."""
+        from switchyard import vllm_env
+
+        try:
+            env = vllm_env.install(quiet=False)
+        except vllm_env.VllmInstallError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        how = f"installed in {env.install_s:.0f} s" if env.install_s else "already installed"
+        typer.echo(f"vllm {env.version} at {env.root} ({how}, {env.size_bytes / 2**30:.2f} GiB)")
+
+    @svc.command("make-vllm-model")
+    def make_vllm_model() -> None:
+        """Make (once) the random-weight Qwen3 model directory the vLLM servers serve."""
+        from switchyard import vllm_model
+
+        shape = vllm_model.ModelShape()
+        path = vllm_model.make_model_dir(shape)
+        typer.echo(f"{path} ({shape.parameters() / 1e6:.1f}M parameters)")
 
     @svc.command("down")
     def down(

@@ -1,0 +1,42 @@
+"""The real-vLLM launcher's pure parts: engine arguments from the cluster config, model dir."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from schemas.cluster import ClusterConfig
+from switchyard import vllm_model, vllm_servers
+
+
+def test_shipped_cluster_gives_two_different_servers() -> None:
+    cluster = ClusterConfig.from_file(vllm_servers.DEFAULT_CLUSTER)
+    shape = vllm_model.ModelShape()
+    specs = {m.name: m for m in cluster.models}
+    insts = vllm_servers.local_instances(cluster)
+    assert len(insts) >= 2
+    settings = [vllm_servers.ServerSettings.of(i, specs[i.model], shape) for i in insts]
+    assert len({(s.max_model_len, s.max_num_seqs, s.prefix_caching) for s in settings}) == 2
+    wide = settings[0]
+    # 16384 blocks x 16 tokens x 4 KiB per token = exactly 1 GiB
+    assert shape.kv_bytes_per_token() == 4096 and wide.kv_cache_gib == 1
+    args = wide.args(Path("/m"), 18000)
+    assert args[args.index("--max-model-len") + 1] == "2048"
+    assert "--enforce-eager" in args and "--enable-prefix-caching" in args
+    narrow_args = settings[1].args(Path("/m"), 18001)
+    assert "--no-enable-prefix-caching" in narrow_args
+
+
+def test_model_dir_is_deterministic(tmp_path: Path) -> None:
+    shape = vllm_model.ModelShape()
+    assert 16_000_000 < shape.parameters() < 17_000_000
+    a = vllm_model.make_model_dir(shape, tmp_path / "a")
+    b = vllm_model.make_model_dir(shape, tmp_path / "b")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    tok = json.loads((a / "tokenizer.json").read_text())
+    assert len(tok["model"]["vocab"]) <= cfg["vocab_size"]
+    tcfg = json.loads((a / "tokenizer_config.json").read_text())
+    assert tcfg["eos_token"] == "<|im_end|>" and "<|im_start|>" in tcfg["chat_template"]
