@@ -24,9 +24,11 @@ lint: install
 	$(BIN)/mypy --strict schemas/ routing/ wiring/ offline/ batch/ gateway/
 	$(BIN)/lint-imports --no-cache
 
-# Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and stops).
+# Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and
+# stops); the real-vLLM tests (marker vllm) run last, their engine installed meanwhile (once, into
+# ~/.cache/switchyard; SWITCHYARD_VLLM_TESTS=0 skips them).
 test: lint
-	SWITCHYARD_HOME=$(TEST_HOME) $(BIN)/python -m switchyard.testrun -- \
+	SWITCHYARD_HOME=$(TEST_HOME) $(BIN)/python -m switchyard.testrun --vllm-last -- \
 		$(BIN)/pytest -q -ra --durations=25 --timeout=300 $(PYTEST_ARGS)
 
 # The cluster suite (tests/clusters, and tests/state on the Redis Cluster): a 3-broker KRaft

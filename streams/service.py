@@ -491,43 +491,14 @@ class RouterService:
     async def _validate_and_dedupe(
         self, items: list[Inbound], out: WindowOutput, blind: bool = False
     ) -> list[Pending]:
+        """The window's valid queries (``_validate``) that are not already routed: a
+        redelivery whose crashed router recorded its intent is re-sent as recorded."""
         now = time.time()
-        outs, outcome = out.outs, out.outcome
-        valid: list[Pending] = []
-        seen: set[str] = set()
-        for it in items:
-            if it.undecodable is not None:  # wiring.kafka_records: never a crash loop
-                self._dead_letter(outs, it, it.undecodable, "decode", now)
-                outcome.dead_letters += 1
-                continue
-            try:
-                query = parse_query(it.raw, self.config.limits)
-                if self._budgets and query.tenant not in self._budgets:
-                    raise BadMessage(
-                        f"query {query.id}: unknown tenant {query.tenant!r}; "
-                        f"known tenants: {sorted(self._budgets)}"
-                    )
-                if query.model is not None:
-                    try:
-                        self.cluster.models_named(query.model)
-                    except KeyError as exc:
-                        raise BadMessage(f"query {query.id}: {exc.args[0]}") from None
-            except BadMessage as exc:
-                self._dead_letter(outs, it, exc.reason, "validate", now)
-                outcome.dead_letters += 1
-                continue
-            if query.id in seen:  # the same id twice in one window: keep the first
-                self._dead_letter(
-                    outs, it, f"query {query.id}: duplicate id in the same window", "dedupe", now
-                )
-                outcome.dead_letters += 1
-                continue
-            seen.add(query.id)
-            raw = bytes(it.raw or b"")
-            valid.append(Pending(query, raw, it, now, sha=hashlib.sha256(raw).hexdigest()))
+        valid = self._validate(items, out, now)
         if not valid:
             return []
         self._stage = "dedupe"
+        outs, outcome = out.outs, out.outcome
         if blind:  # only what this process finished itself (BlindLedger docstring)
             verdicts = [(self._blind.verdict(p.query.id, p.sha), "-") for p in valid]
         else:
@@ -563,6 +534,44 @@ class RouterService:
             else:
                 kept.append(p)
         return kept
+
+    def _validate(self, items: list[Inbound], out: WindowOutput, now: float) -> list[Pending]:
+        """Parse and check each input; a bad one, or an id twice in the window, is
+        dead-lettered with its stage (``decode``, ``validate``, ``dedupe``)."""
+        outs, outcome = out.outs, out.outcome
+        valid: list[Pending] = []
+        seen: set[str] = set()
+        for it in items:
+            if it.undecodable is not None:  # wiring.kafka_records: never a crash loop
+                self._dead_letter(outs, it, it.undecodable, "decode", now)
+                outcome.dead_letters += 1
+                continue
+            try:
+                query = parse_query(it.raw, self.config.limits)
+                if self._budgets and query.tenant not in self._budgets:
+                    raise BadMessage(
+                        f"query {query.id}: unknown tenant {query.tenant!r}; "
+                        f"known tenants: {sorted(self._budgets)}"
+                    )
+                if query.model is not None:
+                    try:
+                        self.cluster.models_named(query.model)
+                    except KeyError as exc:
+                        raise BadMessage(f"query {query.id}: {exc.args[0]}") from None
+            except BadMessage as exc:
+                self._dead_letter(outs, it, exc.reason, "validate", now)
+                outcome.dead_letters += 1
+                continue
+            if query.id in seen:  # the same id twice in one window: keep the first
+                self._dead_letter(
+                    outs, it, f"query {query.id}: duplicate id in the same window", "dedupe", now
+                )
+                outcome.dead_letters += 1
+                continue
+            seen.add(query.id)
+            raw = bytes(it.raw or b"")
+            valid.append(Pending(query, raw, it, now, sha=hashlib.sha256(raw).hexdigest()))
+        return valid
 
     def _resend(self, p: Pending, intent: RouteIntent, out: WindowOutput) -> None:
         """Produce again exactly what a crashed router produced (or was producing) for ``p``.

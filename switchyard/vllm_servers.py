@@ -238,7 +238,9 @@ def _tail(log: str, n_chars: int = 3000) -> str:
         return ""
 
 
-def stop_group(rec: services.ServiceRecord, home: Path | None = None, grace_s: float = 20.0) -> None:
+def stop_group(
+    rec: services.ServiceRecord, home: Path | None = None, grace_s: float = 20.0
+) -> None:
     """SIGTERM the server's process group (its pid is the group id), SIGKILL after ``grace_s``."""
     if rec.alive():
         _signal_group(rec.pid, signal.SIGTERM)

@@ -52,12 +52,15 @@ def test_every_policy_survives_long_context_traffic(name: str) -> None:
     assert (res.decided == 1).all()  # one final outcome each (evaluate checks it too)
     served = res.served
     assert (res.completed[served] == 1).all() and (res.completed[~served] == 0).all()
-    limit = {m.name: m.context_tokens() - m.max_output_tokens for m in cfg.models}
-    too_long = w.prompt_tokens > max(limit.values())
+    # no query sets max_tokens: its cap is the model's default cut to what the context leaves
+    # after the prompt (at least one token), so a prompt fits where it leaves room
+    specs = {m.name: m for m in cfg.models}
+    too_long = w.prompt_tokens >= max(m.context_tokens() for m in cfg.models)
     assert too_long.sum() == 4
     assert (res.status[too_long] == REJECTED).all()
     for i in np.flatnonzero(served):
-        assert w.prompt_tokens[i] <= limit[res.models[res.model[i]]]
+        spec, prompt = specs[res.models[res.model[i]]], int(w.prompt_tokens[i])
+        assert prompt + spec.default_output_cap_tokens(prompt) <= spec.context_tokens()
     assert served.sum() > 0 and np.isfinite(res.ttft_ms[served]).all()
     assert "engine_rejected" not in res.flags
 

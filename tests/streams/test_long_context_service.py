@@ -107,7 +107,8 @@ async def test_every_policy_in_the_service_answers_long_context_once(
             routed[rq.query.id] = iid
             spec = cfg.model_of(iid)
             assert rq.query.prompt_tokens is not None
-            assert rq.query.prompt_tokens + spec.max_output_tokens <= spec.context_tokens()
+            cap = spec.output_cap_tokens(rq.query, rq.query.prompt_tokens)
+            assert rq.query.prompt_tokens + cap <= spec.context_tokens()
         mine = [
             Result.model_validate_json(v)
             for _, v in await read_topic(

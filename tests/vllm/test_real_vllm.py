@@ -1,0 +1,188 @@
+"""End to end on two REAL vLLM servers (CPU build, random weights): router → workers → vLLM.
+
+Kafka, Redis, ``switchyard router`` (the test spread policy), one ``switchyard worker
+--backend vllm`` per instance of ``configs/clusters/real-vllm-cpu.yaml`` and one ``vllm
+serve`` per instance (``switchyard.vllm_servers``). 240 queries, completions and chat, prompts
+of 8 to ~600 tokens (below both servers' ``max_model_len``): exactly one Result each, TTFT
+measured, token counts from vLLM's usage chunk, cost from usage. A prompt past the context
+window (its producer under-declares ``prompt_tokens``, so the router routes it) comes back as
+an error Result carrying vLLM's 400 message. Also: the real ``openai`` SDK against a server.
+
+Slow (servers take ~35-180 s to load); ``make test`` runs this module last (marker ``vllm``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from schemas import ClusterConfig, Result
+from state import StateStore
+from switchyard import vllm_servers
+from switchyard.processes import ProcessGroup
+from wiring import topics
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+N_QUERIES = 240
+WORDS = "the train leaves the yard at noon and every car is sorted by its track".split()
+
+
+@pytest.fixture(scope="module")
+def real_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterConfig]:
+    home = tmp_path_factory.mktemp("vllm-home")
+    cluster = ClusterConfig.from_file(vllm_servers.DEFAULT_CLUSTER)
+    records = vllm_servers.vllm_up(cluster, home=home, free_ports=True)
+    try:
+        yield vllm_servers.with_endpoints(cluster, records)
+    finally:
+        vllm_servers.vllm_down(home)
+        assert not vllm_servers.vllm_down(home)
+
+
+def _prompt(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def test_openai_sdk_against_real_vllm(real_servers: ClusterConfig) -> None:
+    import openai
+
+    inst = real_servers.instances[0]
+    model = real_servers.model(inst.model)
+    client = openai.OpenAI(base_url=f"{inst.endpoint}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [model.name]
+    stream = client.chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(
+            model=model.name, prompt="word " * (2 * (model.max_model_len or 0)), max_tokens=4
+        )
+
+
+async def test_router_workers_real_vllm(
+    real_servers: ClusterConfig, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    rid = "v" + uuid.uuid4().hex[:6]
+    ns = f"t{rid}"
+    spec = real_servers.model_dump(mode="json", exclude_none=True)
+    for inst in spec["instances"]:
+        inst["id"] = f"{rid}-{inst['id']}"
+    cluster = ClusterConfig.model_validate(spec)
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(spec))
+    env = dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
+               SWITCHYARD_NAMESPACE=ns)  # fmt: skip
+    procs = ProcessGroup(tmp_path / "logs", env=env)
+    store = await StateStore.connect(redis_url, namespace=ns)
+    ids = [i.id for i in cluster.instances]
+    try:
+        router = procs.switchyard(
+            "router",
+            "router", "--cluster", str(cluster_file), "--policy", "tests.streams.fake_router:factory",
+            "--window-ms", "50", "--from", "latest", "--app-id", f"router-{rid}",
+        )  # fmt: skip
+        await asyncio.to_thread(procs.wait_for_line, router, "assigned queries partitions", 90)
+        for iid in ids:
+            procs.switchyard(
+                f"worker-{iid}",
+                "worker", "--instance", iid, "--cluster", str(cluster_file), "--backend", "vllm",
+                "--heartbeat-s", "0.5", "--log-level", "WARNING",
+            )  # fmt: skip
+        async with asyncio.timeout(90):
+            while not all(v.alive for v in (await store.snapshots(ids, time.time())).values()):
+                await asyncio.sleep(0.2)
+
+        consumer = AIOKafkaConsumer(
+            topics.RESULTS, bootstrap_servers=kafka_bootstrap, enable_auto_commit=False,
+            auto_offset_reset="latest", group_id=None,
+        )  # fmt: skip
+        await consumer.start()
+        await consumer.seek_to_end()
+        rng = random.Random(18)
+        bodies: dict[str, dict[str, object]] = {}
+        for i in range(N_QUERIES):
+            qid = f"{rid}-q{i}"
+            text = f"q{i}: " + _prompt(rng, rng.choice((4, 16, 64, 200, 450)))
+            body: dict[str, object] = {"id": qid, "max_tokens": 8, "created_at": time.time(),
+                                       "ttft_slo_ms": 60_000}  # fmt: skip
+            if i % 2:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            bodies[qid] = body
+        too_long = f"{rid}-long"  # ~3,000 real tokens, declared as 50
+        bodies[too_long] = {"id": too_long, "prompt": _prompt(rng, 3000), "prompt_tokens": 50,
+                            "max_tokens": 8, "ttft_slo_ms": 60_000}  # fmt: skip
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
+        await producer.start()
+        t0 = time.time()
+        try:
+            futs = [await producer.send(topics.QUERIES, json.dumps(b).encode(), key=q.encode())
+                    for q, b in bodies.items()]  # fmt: skip
+            await asyncio.gather(*futs)
+        finally:
+            await producer.stop()
+        counts: Counter[str] = Counter()
+        by_id: dict[str, Result] = {}
+        try:
+            async with asyncio.timeout(420):
+                while set(bodies) - set(by_id):
+                    for records in (await consumer.getmany(timeout_ms=500)).values():
+                        for r in records:
+                            res = Result.model_validate_json(r.value)
+                            if res.query_id in bodies:
+                                counts[res.query_id] += 1
+                                by_id[res.query_id] = res
+            elapsed = time.time() - t0
+            await asyncio.sleep(2.0)  # a duplicate would arrive now
+            for records in (await consumer.getmany(timeout_ms=1000)).values():
+                for r in records:
+                    res = Result.model_validate_json(r.value)
+                    if res.query_id in bodies:
+                        counts[res.query_id] += 1
+        finally:
+            await consumer.stop()
+
+        for child in procs.children:
+            assert child.alive(), f"{child.name} died:\n{child.tail()}"
+        assert not [q for q, n in counts.items() if n != 1], "a query with more than one Result"
+        long_res = by_id.pop(too_long)
+        assert not long_res.ok and long_res.instance_id, long_res
+        assert "maximum context length" in (long_res.error or ""), long_res.error
+        bad = {q: r.error for q, r in by_id.items() if not r.ok}
+        assert not bad, f"{len(bad)} failed: {list(bad.items())[:3]}"
+        assert {r.instance_id for r in by_id.values()} == set(ids)
+        models = {m.name: m for m in cluster.models}
+        for r in by_id.values():
+            assert r.ttft_ms is not None and 0 < r.ttft_ms <= (r.e2e_ms or 0)
+            assert r.prompt_tokens > 0 and 1 <= r.output_tokens <= 8
+            want = models[r.model].cost_usd(r.prompt_tokens, r.output_tokens)
+            assert r.cost_usd == pytest.approx(want, rel=1e-6)
+        ttfts = sorted(r.ttft_ms or 0.0 for r in by_id.values())
+        print(
+            f"real vLLM: {len(by_id)} queries in {elapsed:.1f} s, TTFT p50 "
+            f"{statistics.median(ttfts):.0f} ms, max {ttfts[-1]:.0f} ms, prompt tokens "
+            f"{min(r.prompt_tokens for r in by_id.values())}-{max(r.prompt_tokens for r in by_id.values())}"
+        )
+    finally:
+        procs.stop_all()
+        await store.close()
