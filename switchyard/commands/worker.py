@@ -92,8 +92,9 @@ def register(app: typer.Typer) -> None:
             raise _fail(f"{cluster}: {_describe(exc)}") from None
         try:
             be = _backend(
-                backend, cfg, instance, spec, endpoint, served_model, time_scale, seed, concurrency
-            )
+                backend, cfg, instance, spec, endpoint, served_model, time_scale, seed,
+                concurrency, heartbeat_s,
+            )  # fmt: skip
         except ValueError as exc:
             raise _fail(_describe(exc)) from None
         code = asyncio.run(
@@ -220,6 +221,7 @@ def _backend(
     time_scale: float,
     seed: int,
     concurrency: int | None,
+    heartbeat_s: float = 1.0,
 ) -> Any:
     if kind == "vllm":
         from workers.backends.vllm import VllmBackend, VllmConfig
@@ -235,6 +237,8 @@ def _backend(
                 model=served_model or spec.name,
                 max_connections=(concurrency or spec.max_concurrency) + 8,
                 max_output_tokens=spec.max_output_tokens,
+                # a probe that outlasts a heartbeat would hide a frozen engine for longer
+                health_timeout_s=max(0.2, min(1.0, heartbeat_s)),
             )
         )
     if kind == "sim":
