@@ -370,7 +370,10 @@ class JobRun:
             if res.error is None:
                 self._record_response(out, flight, res)
             else:
-                code = "not_routed" if not res.instance_id else "engine_error"
+                # the router's own kind when it set one (e.g. insufficient_quota: the tenant's
+                # budget, not the job's, is spent), else who failed it
+                who = "not_routed" if not res.instance_id else "engine_error"
+                code = res.code.value if res.code else who
                 self._record_error(
                     err, flight.line, flight.query, code, res.error, res, flight.attempt
                 )

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from routing.datasets import load_routing_data  # noqa: E402
+from offline.datasets import load_routing_data  # noqa: E402
 from routing.features import FeatureCache, make_featurizer, minilm_available  # noqa: E402
 
 

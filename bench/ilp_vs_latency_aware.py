@@ -23,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offline.blas import limit_blas_threads  # noqa: E402
+from offline.datasets import load_routing_data  # noqa: E402
 from sim.evaluator import EvalConfig  # noqa: E402
 from sim.experiments import (  # noqa: E402
     ONTIME_SLO,
@@ -57,6 +58,7 @@ def main() -> None:
         trace_path=vendored_data("profiles", "traces", "azure_llm_2023_conv_first4000.csv.gz"),
         quick=True,
         seed=0,
+        loader=load_routing_data,
     )
     st = sim_setup(inputs)
     cfg = EvalConfig(window_s=0.05, max_batch=64, utility_lambda=UTILITY_LAMBDA)

@@ -30,7 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offline.blas import limit_blas_threads  # noqa: E402
-from routing.datasets import RoutingData, load_routing_data, split_by_query  # noqa: E402
+from offline.datasets import load_routing_data  # noqa: E402
+from routing.datasets import RoutingData, split_by_query  # noqa: E402
 from routing.quality import train_predictor  # noqa: E402
 from routing.quality.evaluate import evaluate_predictor  # noqa: E402
 from wiring.paths import shared_data, vendored_data  # noqa: E402

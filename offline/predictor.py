@@ -8,7 +8,7 @@ under ``$SWITCHYARD_HOME/predictors/``; later starts load the cached file.
 
 The cache key is the SHA-256 of the recipe, of the data file's bytes and of the source of
 the modules that shape the artefact (``routing/quality/``, ``routing/features.py``,
-``routing/length.py``, ``routing/datasets.py``): change the estimator, its code, or the
+``routing/length.py``, ``routing/datasets.py``, ``offline/datasets.py``): change the estimator, its code, or the
 data, and the next start trains anew rather than loading a stale artefact. The mechanism
 knows nothing of the estimators: it passes the recipe's names to ``train_predictor``.
 Concurrent starts train once (a file lock); the artefact is written atomically.
@@ -97,7 +97,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityPredictor:
     from offline.blas import limit_blas_threads
-    from routing.datasets import load_routing_data
+    from offline.datasets import load_routing_data
     from routing.quality import train_predictor
 
     limit_blas_threads(1)  # spinning BLAS threads slow training several-fold on a shared machine

@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from routing.datasets import RoutingData, load_routing_data, split_by_query
+from routing.datasets import RoutingData, split_by_query
 from routing.ilp.problem import BatchProblem
 from routing.ilp.solve import solve
 from routing.quality import QualityEstimate, QualityPredictor, train_predictor
@@ -70,6 +70,12 @@ class ExperimentError(ValueError):
     """Bad experiment inputs; the message names what was wrong."""
 
 
+class DataLoader(Protocol):
+    """Reads one routing data source into the wide view (``offline.datasets``)."""
+
+    def __call__(self, path: Path, format: str, models_csv: Path | None = None) -> RoutingData: ...
+
+
 @dataclass(frozen=True)
 class ExperimentInputs:
     """Where the data is and how big a run to make."""
@@ -88,6 +94,9 @@ class ExperimentInputs:
     featurizer: Any = "hashed"  # text features of the predictors (a name or a Featurizer)
     tag: str = ""  # appended to output file names (e.g. "-irt_router_ccf20-quick")
     delta: float | None = None  # paper A's δ for latency-aware in ``ontime`` (None: its default)
+    # Reads ``data_path`` (``offline.datasets.load_routing_data``): the shell passes the
+    # reader in, so this room reads no data file itself.
+    loader: DataLoader | None = None
 
     def png(self, name: str) -> Path:
         """Where experiment ``name`` writes its plot."""
@@ -126,7 +135,11 @@ class Offline:
 
 
 def load_data(inputs: ExperimentInputs) -> RoutingData:
-    return load_routing_data(inputs.data_path, inputs.data_format, inputs.models_csv)
+    if inputs.loader is None:
+        raise ExperimentError(
+            "ExperimentInputs.loader is not set: pass offline.datasets.load_routing_data"
+        )
+    return inputs.loader(inputs.data_path, inputs.data_format, inputs.models_csv)
 
 
 def split(data: RoutingData, seed: int) -> tuple[RoutingData, RoutingData]:

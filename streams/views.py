@@ -7,6 +7,8 @@ Pure functions (no I/O), so the rules are unit-tested without Kafka or Redis:
 - a missing snapshot, or one older than ``stale_after_s``, gives ``state=None`` and
   ``stale=True``: routers then use the LPS average case and flag the decision;
 - free slots = the model's ``max_concurrency`` minus the slots held in Redis;
+- the resident list holds at least as many running and waiting requests as the engine's
+  own ``/metrics`` counts in the heartbeat (``routing.engine_counts``);
 - the window budget per tenant = min(remaining in the ledger period, pacing allowance),
   where the allowance spends the remaining budget evenly over what is left of the
   period, times ``pacing_factor`` (0 turns pacing off).
@@ -19,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from routing.engine_counts import reconcile_engine_counts
 from routing.types import Budget, InstanceState, InstanceView
 from routing.window import UNLIMITED_USD as UNLIMITED_USD  # one definition, re-exported
 from schemas import ClusterConfig, InstanceSnapshot, TenantBudget
@@ -54,6 +57,13 @@ def instance_views(
         age_s = float(info.age_s) if snap is not None else math.inf
         stale = snap is None or age_s > stale_after_s or not snap.healthy
         state = None if stale or snap is None else InstanceState.from_snapshot(snap)
+        if state is not None:  # at least as many running/waiting as the engine itself reports
+            state = reconcile_engine_counts(
+                state,
+                getattr(info, "engine_running", None),
+                getattr(info, "engine_waiting", None),
+                default_output_tokens=int(model.mean_output_tokens or 128),
+            )
         views.append(
             InstanceView(
                 instance_id=spec.id,

@@ -22,6 +22,10 @@ class WorkerMetrics:
         self.in_flight = g("switchyard_worker_in_flight", "Requests running on the backend").labels(
             **lab
         )
+        self.engine_up = g(
+            "switchyard_worker_engine_up",
+            "1 while the engine answers its health probe (the instance heart-beats), else 0",
+        ).labels(**lab)
         self.queued = g(
             "switchyard_worker_queued", "Requests received, waiting for a backend slot"
         ).labels(**lab)

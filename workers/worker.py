@@ -18,7 +18,9 @@ For every routed message, in arrival order:
 5. settle the tenant's budget at the actual cost, drop the resident and its capacity slot;
 6. only then may its offset be committed (``OffsetTracker``): at-least-once.
 
-Beside the stream: heartbeats with a TTL (with the engine's own running/waiting counts), a
+Before anything else: wait for the engine and check it serves the instance's model (else exit
+with the served names). Beside the stream: heartbeats with a TTL (with the engine's own
+running/waiting counts), dropped at once while the engine fails its health probe; a
 periodic resync of Redis residents to the worker's own view (repairs drift and rebuilds
 state after Redis lost it), observed timings for step-time recalibration
 (``workers.timings``), and Prometheus metrics.
@@ -53,7 +55,7 @@ from schemas.parse import BadMessage, Limits, parse_model
 from state import StateStore, StateUnavailable, period_id
 from wiring import kafka_admin, kafka_records, topics
 from wiring.settings import Settings
-from workers.backends.base import Backend, Generation, GenerationRequest
+from workers.backends.base import Backend, EngineUnavailable, Generation, GenerationRequest
 from workers.metrics import WorkerMetrics, serve_metrics
 from workers.offsets import OffsetTracker
 from workers.relay import RelayWriter
@@ -94,6 +96,11 @@ class WorkerConfig:
     # re-joins only when a refresh shows the partition. Meanwhile the worker heart-beats, so it
     # is routed to and consumes nothing: bug 10, the losses of faults scenario 4.
     metadata_refresh_s: float = 5.0
+    # how long start-up waits for the engine to answer GET /v1/models (a real vLLM takes
+    # 30-105 s to load) before consuming; past it the worker consumes with its instance
+    # unavailable (no heartbeat: queries already routed here get error Results, never
+    # silence) and checks the model when the engine first answers
+    engine_start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.metadata_refresh_s <= 300.0:
@@ -183,6 +190,9 @@ class Worker:
         self._consumer: AIOKafkaConsumer | None = None
         self._fatal: BaseException | None = None
         self._started = asyncio.Event()
+        # the engine failed its last health probe: no heartbeat (routers stop routing here)
+        self._engine_lost = False
+        self._model_checked = False  # GET /v1/models named this instance's model
         self.counts = {
             "results": 0,
             "errors": 0,
@@ -191,6 +201,7 @@ class Worker:
             "reruns": 0,
             "duplicate_results": 0,
             "rerouted_skipped": 0,  # copies a rescuer re-routed elsewhere (also duplicates_skipped)
+            "engine_lost": 0,  # times the engine stopped answering its health probe
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -202,6 +213,16 @@ class Worker:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set, then finish in-flight work and commit. Raises ``WorkerFatal``."""
+        # the engine first: a worker whose engine serves another model touches no topic
+        await self.backend.start()
+        try:
+            ready = await self._engine_ready(stop)
+        except BaseException:
+            await self.backend.close()
+            raise
+        if not ready:
+            await self.backend.close()
+            return
         kw = self.settings.kafka_kwargs(client_id=f"switchyard-worker-{self.instance_id}")
         kafka_records.install()  # an undecodable record batch is dead-lettered, never a crash loop
         await kafka_admin.ensure_topics(
@@ -223,7 +244,6 @@ class Worker:
         )
         metrics_runner = None
         heartbeat: asyncio.Task[None] | None = None
-        await self.backend.start()
         try:
             await self._producer.start()
             await self._consumer.start()
@@ -253,6 +273,44 @@ class Worker:
                 await metrics_runner.cleanup()
         if self._fatal is not None:
             raise WorkerFatal(f"worker {self.instance_id} stopped: {self._fatal}") from self._fatal
+
+    async def _engine_ready(self, stop: asyncio.Event) -> bool:
+        """Wait until the engine answers and serves this instance's model (before any
+        heartbeat); False when ``stop`` came first. ``WorkerFatal`` when it serves another
+        model. Past ``engine_start_timeout_s`` without an answer: True, with the engine
+        marked lost (the heartbeat loop checks the model once it answers)."""
+        deadline = time.monotonic() + self.config.engine_start_timeout_s
+        said = 0.0
+        while True:
+            try:
+                problem = await self.backend.model_problem()
+            except EngineUnavailable as exc:
+                now = time.monotonic()
+                if now >= deadline:
+                    log.error(
+                        "worker %s: the engine did not answer within %g s (%s); consuming with "
+                        "the instance unavailable", self.instance_id,
+                        self.config.engine_start_timeout_s, exc,
+                    )  # fmt: skip
+                    self._engine_lost = True
+                    self.metrics.engine_up.set(0)
+                    return True
+                if now - said >= 10.0:
+                    log.warning("worker %s: waiting for the engine: %s", self.instance_id, exc)
+                    said = now
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                if stop.is_set():
+                    return False
+                continue
+            if problem is not None:
+                raise WorkerFatal(self._wrong_model(problem))
+            self._model_checked = True
+            self.metrics.engine_up.set(1)
+            return True
+
+    def _wrong_model(self, problem: str) -> str:
+        return f"worker {self.instance_id} (model {self.spec.name!r}) refuses to start: {problem}"
 
     async def _consume(self, stop: asyncio.Event) -> None:
         assert self._consumer is not None
@@ -823,6 +881,32 @@ class Worker:
 
     async def _heartbeat_once(self, resync: bool) -> None:
         load = await self.backend.engine_load()
+        if not load.answering:
+            # engine liveness: a heartbeat says "route here", so an engine that does not
+            # answer drops it at once (routers see the instance dead within one interval)
+            if not self._engine_lost:
+                self._engine_lost = True
+                self.counts["engine_lost"] += 1
+                self.metrics.engine_up.set(0)
+                log.error(
+                    "worker %s: engine stopped answering (%s); instance unavailable until it "
+                    "answers again", self.instance_id, load.problem,
+                )  # fmt: skip
+            await self._best_effort(self.state.instance_down(self.instance_id))
+            return
+        if not self._model_checked:
+            try:
+                problem = await self.backend.model_problem()
+            except EngineUnavailable:
+                return  # answered /health, not /v1/models yet: still unavailable
+            if problem is not None:
+                self._fatal = WorkerFatal(self._wrong_model(problem))  # stops consuming
+                return
+            self._model_checked = True
+        if self._engine_lost:
+            self._engine_lost = False
+            self.metrics.engine_up.set(1)
+            log.warning("worker %s: engine answers again; instance available", self.instance_id)
         await self._best_effort(
             self.state.heartbeat(
                 self.instance_id,

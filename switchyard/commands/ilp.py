@@ -1,6 +1,6 @@
 """``switchyard allocate``: offline instance allocation under a GPU budget (paper B).
 
-Thin shell over ``routing.datasets`` and ``routing.allocation`` (all logic is there).
+Thin shell over ``offline.datasets`` and ``routing.allocation`` (all logic is there).
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ def register(app: typer.Typer) -> None:
         """Choose instance counts per model to maximise expected batch quality."""
         import numpy as np
 
+        from offline.datasets import load_routing_data
         from routing.allocation import (
             AllocationProblem,
             evaluate_allocation,
             solve_allocation,
             uniform_allocation,
         )
-        from routing.datasets import load_routing_data
 
         gpu_spec = _per_model("--gpus-per-instance", gpus_per_instance, None)
         slot_spec = _per_model("--slots-per-instance", slots_per_instance, None)

@@ -1,6 +1,6 @@
 """``switchyard train`` and ``switchyard eval-quality``: quality predictor artefacts.
 
-Thin shell over ``routing.datasets`` and ``routing.quality`` (all logic is there).
+Thin shell over ``offline.datasets`` and ``routing.quality`` (all logic is there).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
     ) -> None:
         """Train a quality predictor (bootstrap ensemble + conformal lower bound + length model)."""
-        from routing.datasets import DataError, load_routing_data, split_by_query
+        from offline.datasets import load_routing_data
+        from routing.datasets import DataError, split_by_query
         from routing.quality import ESTIMATORS, train_predictor
 
         if estimator not in ESTIMATORS:
@@ -136,7 +137,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
     ) -> None:
         """Coverage of the robust bound and point-vs-robust routing at several budgets."""
-        from routing.datasets import DataError, load_routing_data
+        from offline.datasets import load_routing_data
+        from routing.datasets import DataError
         from routing.quality import ArtefactError, load_predictor
         from routing.quality.evaluate import evaluate_predictor
 

@@ -2,7 +2,7 @@
 
 Arrival times (and output lengths) come from a trace (``arrival_s, input_tokens,
 output_tokens`` CSV, e.g. ``../shared/data/traces/azure_llm_2023_conv.csv.gz``); query
-texts and per-model quality scores from a routing dataset (``routing.datasets``). Each
+texts and per-model quality scores from a routing dataset (``offline.datasets``). Each
 arrival becomes a ``Query`` (the dataset's text, ``max_tokens`` from the trace) produced
 to ``queries`` at the trace's time (``--rate-scale`` 2 = twice as fast); results are
 collected from ``results`` with a live progress bar. The report uses the simulator's
@@ -276,7 +276,7 @@ async def replay(
     from aiokafka import AIOKafkaProducer
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from routing.datasets import load_routing_data
+    from offline.datasets import load_routing_data
     from schemas import Query
     from sim.traffic import load_trace
     from wiring import topics

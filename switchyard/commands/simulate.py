@@ -164,7 +164,8 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from routing.datasets import load_routing_data, split_by_query
+        from offline.datasets import load_routing_data
+        from routing.datasets import split_by_query
         from routing.quality import load_predictor, train_predictor
         from schemas import ClusterConfig
         from sim import report as rep
@@ -324,7 +325,7 @@ def register(app: typer.Typer) -> None:
         """Reproduce one paper figure; writes <name>.md, <name>.json and <name>.png."""
         from rich.console import Console
 
-        from routing.datasets import load_routing_data
+        from offline.datasets import load_routing_data
         from sim import experiments as ex
         from sim import report as rep
         from sim.traffic import resolve_trace
@@ -363,6 +364,7 @@ def register(app: typer.Typer) -> None:
             cmd,
             tag=suffix,
             delta=delta,
+            loader=load_routing_data,
         )
         out_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

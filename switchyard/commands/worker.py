@@ -67,6 +67,11 @@ def register(app: typer.Typer) -> None:
             None, "--served-model", help="Model name the server expects"
         ),
         heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05),
+        engine_start_timeout_s: float = typer.Option(
+            600.0, "--engine-start-timeout-s", min=0.0,
+            help="Wait this long for the engine's /v1/models before consuming (no heartbeat "
+            "meanwhile); past it, consume with the instance unavailable",
+        ),
         metrics_port: int | None = typer.Option(
             None, "--metrics-port", help="Serve Prometheus /metrics here"
         ),
@@ -92,14 +97,16 @@ def register(app: typer.Typer) -> None:
             raise _fail(f"{cluster}: {_describe(exc)}") from None
         try:
             be = _backend(
-                backend, cfg, instance, spec, endpoint, served_model, time_scale, seed, concurrency
-            )
+                backend, cfg, instance, spec, endpoint, served_model, time_scale, seed,
+                concurrency, heartbeat_s,
+            )  # fmt: skip
         except ValueError as exc:
             raise _fail(_describe(exc)) from None
         code = asyncio.run(
             _run_worker(
-                cfg, instance, be, settings, concurrency, heartbeat_s, metrics_host, metrics_port
-            )
+                cfg, instance, be, settings, concurrency, heartbeat_s, metrics_host, metrics_port,
+                engine_start_timeout_s,
+            )  # fmt: skip
         )
         raise typer.Exit(code)
 
@@ -220,6 +227,7 @@ def _backend(
     time_scale: float,
     seed: int,
     concurrency: int | None,
+    heartbeat_s: float = 1.0,
 ) -> Any:
     if kind == "vllm":
         from workers.backends.vllm import VllmBackend, VllmConfig
@@ -235,6 +243,8 @@ def _backend(
                 model=served_model or spec.name,
                 max_connections=(concurrency or spec.max_concurrency) + 8,
                 max_output_tokens=spec.max_output_tokens,
+                # a probe that outlasts a heartbeat would hide a frozen engine for longer
+                health_timeout_s=max(0.2, min(1.0, heartbeat_s)),
             )
         )
     if kind == "sim":
@@ -253,6 +263,7 @@ async def _run_worker(
     heartbeat_s: float,
     metrics_host: str,
     metrics_port: int | None,
+    engine_start_timeout_s: float = 600.0,
 ) -> int:
     from state import StateStore, StateUnavailable
     from workers.worker import Worker, WorkerConfig, WorkerFatal
@@ -272,6 +283,7 @@ async def _run_worker(
             heartbeat_s=heartbeat_s,
             metrics_host=metrics_host,
             metrics_port=metrics_port,
+            engine_start_timeout_s=engine_start_timeout_s,
         ),
         cfg,
         backend,

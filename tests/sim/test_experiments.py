@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
+from offline.datasets import load_routing_data
 from routing.features import HashedNgramFeaturizer
 from sim import experiments as ex
 from sim.traffic import adversarial_order
@@ -138,6 +139,7 @@ def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
         replicates=3,
         estimator="knn",
         featurizer=HashedNgramFeaturizer(n_buckets=512, rank=8, fit_max_texts=300),
+        loader=load_routing_data,
     )
     b = ex.run("batching", inputs)
     for kind in ("random", "adversarial"):

@@ -104,3 +104,20 @@ def test_window_budget_is_min_of_remaining_and_allowance() -> None:
     assert windows["a"].remaining_usd == pytest.approx(6.0) and windows["a"].period_id == "100s-0"
     overspent, _ = window_budget(["a"], budgets, {"a": 12.0}, {"a": "100s-0"}, 50.0, 1.0, 0.0)
     assert overspent.tenant_remaining_usd["a"] == 0.0 and overspent.window_usd == 0.0
+
+
+@dataclass
+class LiveWithEngine(Live):
+    engine_running: int | None = None
+    engine_waiting: int | None = None
+
+
+def test_a_view_holds_the_engine_counts_the_worker_did_not_list() -> None:
+    live = {"s0": LiveWithEngine(snap("s0", 99.0, n=2), 2, True, 1.0, 3, 4),
+            "s1": LiveWithEngine(snap("s1", 99.0, n=2), 2, True, 1.0, None, None)}  # fmt: skip
+    views, _ = instance_views(CLUSTER, live, now=100.0, stale_after_s=5.0)
+    by = {v.instance_id: v for v in views}
+    s0, s1 = by["s0"].state, by["s1"].state
+    assert s0 is not None and s1 is not None
+    assert s0.n == 7 and int((s0.prefilled_tokens > 0).sum()) == 3
+    assert s1.n == 2

@@ -276,3 +276,136 @@ def test_fake_vllm_command_rejects_missing_timing() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "give --profile NAME, --coefficients" in proc.stderr
+
+
+async def test_model_check_names_what_the_engine_serves(server: RunningServer) -> None:
+    from workers.backends.base import EngineUnavailable
+
+    ok = VllmBackend(VllmConfig(endpoint=server.url, model="m"))
+    other = VllmBackend(VllmConfig(endpoint=server.url, model="qwen"))
+    gone = VllmBackend(VllmConfig(endpoint=f"http://127.0.0.1:{free_port()}", model="m"))
+    for b in (ok, other, gone):
+        await b.start()
+    try:
+        assert await ok.model_problem() is None
+        problem = await other.model_problem()
+        with pytest.raises(EngineUnavailable):
+            await gone.model_problem()
+    finally:
+        for b in (ok, other, gone):
+            await b.close()
+    assert problem and "serves ['m'], not 'qwen'" in problem, problem
+
+
+async def test_engine_load_is_not_answering_once_the_server_is_gone() -> None:
+    s = await start_server(build_server(coefficients=COEF, config=FakeVllmConfig(model="m")))
+    backend = VllmBackend(VllmConfig(endpoint=s.url, model="m", health_timeout_s=0.5))
+    await backend.start()
+    try:
+        up = await backend.engine_load()
+        await s.stop()
+        down = await backend.engine_load()
+    finally:
+        await backend.close()
+    assert up.answering and up.running == 0
+    assert not down.answering and down.problem and "/health" in down.problem
+
+
+async def test_a_frozen_engine_fails_the_probe_within_its_timeout() -> None:
+    async def hang(_req: web.Request) -> web.Response:
+        await asyncio.sleep(2)
+        return web.Response(text="late")
+
+    app = web.Application()
+    app.router.add_get("/health", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    backend = VllmBackend(
+        VllmConfig(endpoint=f"http://127.0.0.1:{port}", model="m", health_timeout_s=0.3)
+    )
+    await backend.start()
+    try:
+        async with asyncio.timeout(2.0):
+            load = await backend.engine_load()
+    finally:
+        await backend.close()
+        await runner.cleanup()
+    assert not load.answering and load.problem and "no answer in 0.3 s" in load.problem
+
+
+async def test_a_worker_whose_engine_serves_another_model_refuses_to_start(
+    server: RunningServer,
+) -> None:
+    """Before any topic or heartbeat: WorkerFatal naming the served and the expected model."""
+    from typing import Any, cast
+
+    from schemas import ClusterConfig
+    from wiring.settings import Settings
+    from workers.worker import Worker, WorkerConfig, WorkerFatal
+
+    cfg = ClusterConfig.model_validate(
+        {"models": [{"name": "qwen", "input_usd_per_token": 0, "output_usd_per_token": 0}],
+         "instances": [{"id": "qwen-0", "model": "qwen", "endpoint": server.url}]}
+    )  # fmt: skip
+    backend = VllmBackend(VllmConfig(endpoint=server.url, model="qwen"))
+    state = cast(Any, object())  # never touched: the worker stops before Redis
+    w = Worker(WorkerConfig(instance_id="qwen-0"), cfg, backend,
+               Settings(kafka="127.0.0.1:1", redis="redis://127.0.0.1:1"), state)  # fmt: skip
+    with pytest.raises(WorkerFatal) as got:
+        async with asyncio.timeout(10):
+            await w.run(asyncio.Event())
+    assert "refuses to start" in str(got.value) and "serves ['m'], not 'qwen'" in str(got.value)
+    assert w.counts["results"] == 0 and not w.started.is_set()
+
+
+async def test_a_default_cap_the_engine_refuses_is_retried_with_the_cap_that_fits(
+    server: RunningServer,
+) -> None:
+    """Our prompt count short of the engine's: the default cap overflows max_model_len (400);
+    one retry with the cap the engine's own count leaves answers it. An own max_tokens that
+    does not fit stays an error (the engine's message)."""
+    backend = VllmBackend(VllmConfig(endpoint=server.url, model="m"))
+    await backend.start()
+    q = Query(id="q", prompt="word " * 400)  # 500 tokens for the fake engine
+    own = Query(id="own", prompt="word " * 400, max_tokens=4000)
+    try:
+        short = GenerationRequest(q, "q.1", 100, 16, output_cap_tokens=4096)
+        got = await backend.generate(short, lambda p, d: None)
+        refused = await backend.generate(_req(own), lambda p, d: None)
+    finally:
+        await backend.close()
+    assert got.error is None and got.attempts == 2 and got.output_tokens > 0, got
+    assert refused.error and "HTTP 400" in refused.error and "maximum context length" in refused.error
+
+
+async def test_a_worker_waits_for_an_engine_that_is_slow_to_start() -> None:
+    from typing import Any, cast
+
+    from schemas import ClusterConfig
+    from wiring.settings import Settings
+    from workers.worker import Worker, WorkerConfig
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = ClusterConfig.model_validate(
+        {"models": [{"name": "m", "input_usd_per_token": 0, "output_usd_per_token": 0}],
+         "instances": [{"id": "m-0", "model": "m", "endpoint": url}]}
+    )  # fmt: skip
+    backend = VllmBackend(VllmConfig(endpoint=url, model="m"))
+    w = Worker(WorkerConfig(instance_id="m-0"), cfg, backend,
+               Settings(kafka="127.0.0.1:1", redis="redis://127.0.0.1:1"), cast(Any, object()))  # fmt: skip
+    await backend.start()
+    waiting = asyncio.create_task(w._engine_ready(asyncio.Event()))
+    await asyncio.sleep(1.5)
+    assert not waiting.done()  # no engine yet: no heartbeat, no consuming
+    s = await start_server(build_server(coefficients=COEF, config=FakeVllmConfig(model="m")),
+                           port=port)  # fmt: skip
+    try:
+        async with asyncio.timeout(10):
+            assert await waiting
+    finally:
+        await backend.close()
+        await s.stop()
+    assert not w._engine_lost

@@ -324,8 +324,8 @@ async def test_backend_down_gives_error_results_and_releases_budget(env: dict[st
     )
     dead = f"http://127.0.0.1:{free_port()}"
     backend = VllmBackend(VllmConfig(endpoint=dead, model="tiny", retries=2, backoff_s=0.01))
-    worker = Worker(
-        WorkerConfig(instance_id=iid, heartbeat_s=0.2),
+    worker = Worker(  # an engine that never came up: consumed after the start-up wait
+        WorkerConfig(instance_id=iid, heartbeat_s=0.2, engine_start_timeout_s=0.5),
         _cluster(iid),
         backend,
         env["settings"],
@@ -366,7 +366,8 @@ async def test_copies_rerouted_elsewhere_are_skipped_and_never_settled(
     dead = f"http://127.0.0.1:{free_port()}"
     backend = VllmBackend(VllmConfig(endpoint=dead, model="tiny", retries=0, backoff_s=0.01))
     worker = Worker(
-        WorkerConfig(instance_id=iid, heartbeat_s=0.2), _cluster(iid), backend,
+        WorkerConfig(instance_id=iid, heartbeat_s=0.2, engine_start_timeout_s=0.5),
+        _cluster(iid), backend,
         env["settings"], state,
     )  # fmt: skip
     client: SwitchyardClient = env["client"]

@@ -249,3 +249,34 @@ async def test_kill_9_mid_stream_loses_nothing_and_counts_reruns(
     # every message past the dead worker's commit was read once: answered, or skipped as
     # answered already (published and marked, not yet committed)
     assert counts["results"] + counts["duplicates_skipped"] == len(ids) - committed, counts
+
+
+async def test_worker_command_refuses_an_engine_serving_another_model(
+    tmp_path: Path, kafka_bootstrap: str, redis_url: str
+) -> None:
+    """fake-vllm serves "other": the worker exits 1 naming both models, and never heart-beats."""
+    from workers.fake_vllm import FakeVllmConfig, build_server, start_server
+
+    iid = "wrong-" + uuid.uuid4().hex[:6]
+    server = await start_server(
+        build_server(profile="llama-2-7b-hf@h100", config=FakeVllmConfig(model="other"))
+    )
+    env = _env(kafka_bootstrap, redis_url, "wrong")
+    try:
+        cmd = [sys.executable, "-m", "switchyard.cli", "worker", "--instance", iid,
+               "--cluster", str(_cluster_file(tmp_path, iid)), "--backend", "vllm",
+               "--endpoint", server.url, "--heartbeat-s", "0.2"]  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop()
+    assert proc.returncode == 1, err.decode()
+    assert "refuses to start" in err.decode() and "serves ['other'], not 'tiny'" in err.decode()
+    store = await StateStore.connect(redis_url, namespace=env["SWITCHYARD_NAMESPACE"])
+    try:
+        live = await store.snapshots([iid], time.time())
+    finally:
+        await store.close()
+    assert not live[iid].alive

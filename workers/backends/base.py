@@ -52,11 +52,21 @@ class Generation:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What the engine itself reports (vLLM ``/metrics``); None when unknown."""
+    """What the engine itself reports (vLLM ``/health`` and ``/metrics``); None when unknown.
+
+    ``answering`` is False when the engine failed its health probe (refused, an error
+    status, no answer in time): the worker then drops its heartbeat until it answers.
+    """
 
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
+    answering: bool = True
+    problem: str | None = None  # why it is not answering
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not answer (refused, timed out, an error status)."""
 
 
 class Backend(Protocol):
@@ -71,3 +81,9 @@ class Backend(Protocol):
         ...
 
     async def engine_load(self) -> EngineLoad: ...
+
+    async def model_problem(self) -> str | None:
+        """Why the engine cannot serve this backend's model (e.g. vLLM's ``GET /v1/models``
+        lists other names), or None when it can. Raises ``EngineUnavailable`` when the
+        engine does not answer (not started yet, down)."""
+        ...

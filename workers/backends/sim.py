@@ -49,6 +49,9 @@ class SimBackend:
     async def close(self) -> None:
         await self.engine.stop()
 
+    async def model_problem(self) -> str | None:
+        return None  # the engine runs in-process, on this model
+
     async def engine_load(self) -> EngineLoad:
         return EngineLoad(
             running=self.engine.n_running,

@@ -21,7 +21,14 @@ from typing import Any
 import httpx
 
 from schemas import Query
-from workers.backends.base import EngineLoad, Generation, GenerationRequest, ProgressFn, TextFn
+from workers.backends.base import (
+    EngineLoad,
+    EngineUnavailable,
+    Generation,
+    GenerationRequest,
+    ProgressFn,
+    TextFn,
+)
 from workers.sse import SSEParser, error_message, interpret
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,8 @@ class VllmConfig:
     max_connections: int = 256
     api_key: str | None = None
     max_output_tokens: int | None = None  # cap sent when a query sets none (the ledger's bound)
+    # the liveness probe (GET /health at each heartbeat): no answer within this is "down"
+    health_timeout_s: float = 1.0
 
 
 def request_body(
@@ -171,9 +180,48 @@ class VllmBackend:
             await self._client.aclose()
             self._client = None
 
+    async def model_problem(self) -> str | None:
+        """Compare ``GET /v1/models`` with the model this worker sends."""
+        if self._client is None:
+            raise RuntimeError("VllmBackend.model_problem called before start()")
+        try:
+            resp = await self._client.get("/v1/models", timeout=self.config.connect_timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(
+                f"{self.base_url}/v1/models: {type(exc).__name__}: {exc}"
+            ) from exc
+        if resp.status_code != 200:
+            raise EngineUnavailable(f"{self.base_url}/v1/models: HTTP {resp.status_code}")
+        try:
+            served = [str(m["id"]) for m in resp.json()["data"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"{self.base_url}/v1/models is not an OpenAI model list: {exc!r}"
+        if self.config.model in served:
+            return None
+        return (
+            f"the engine at {self.base_url} serves {served}, not {self.config.model!r}: start "
+            f"it with --served-model-name {self.config.model} (or give the worker "
+            "--served-model NAME)"
+        )
+
+    async def _health_problem(self) -> str | None:
+        assert self._client is not None
+        try:
+            resp = await self._client.get("/health", timeout=self.config.health_timeout_s)
+        except httpx.TimeoutException:
+            return f"{self.base_url}/health: no answer in {self.config.health_timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            return f"{self.base_url}/health: {type(exc).__name__}: {exc}"
+        if resp.status_code != 200:
+            return f"{self.base_url}/health: HTTP {resp.status_code}"
+        return None
+
     async def engine_load(self) -> EngineLoad:
         if self._client is None:
             return EngineLoad()
+        problem = await self._health_problem()
+        if problem is not None:
+            return EngineLoad(answering=False, problem=problem)
         try:
             resp = await self._client.get("/metrics", timeout=2.0)
             if resp.status_code != 200:

@@ -1,4 +1,4 @@
-"""Loaders, the wide view and splits (routing/datasets.py)."""
+"""Loaders (offline/datasets.py), the wide view and splits (routing/datasets.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routing.datasets import (
-    DataError,
-    load_routing_data,
-    read_models_csv,
-    split_by_query,
-)
+from offline.datasets import load_routing_data, read_models_csv
+from routing.datasets import DataError, split_by_query
 from wiring.paths import shared_data, vendored_data
 
 MODELS_CSV = "model,input_price_per_1m_usd,output_price_per_1m_usd\nsmall,0.1,0.2\nbig,1.0,2.0\n"
