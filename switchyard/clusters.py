@@ -356,11 +356,14 @@ def restart_node(rec: ServiceRecord, home: Path | None = None, timeout_s: float 
     """Start a stopped or killed node again on its own data directory; wait until it answers."""
     if rec.alive():
         raise ServiceError(f"{rec.name} is still running (pid {rec.pid})")
-    _spawn(rec, home)
+    child = _spawn(rec, home)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not rec.alive():
-            raise ServiceError(f"{rec.name} exited at restart; see {rec.log}")
+        # the child itself, not rec.alive(): redis-server shows its marker (``host:port`` in
+        # its process title) only once it has set the title, a moment after the exec
+        if child.poll() is not None:
+            tail = Path(rec.log).read_text(errors="replace")[-2000:] if rec.log else ""
+            raise ServiceError(f"{rec.name} exited at restart; {rec.log} ends:\n{tail}")
         if rec.name.startswith(KAFKA_NODE):
             if services.kafka_ready(rec.address, cluster_id=rec.extra.get("cluster_id")):
                 return

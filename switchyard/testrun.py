@@ -68,17 +68,31 @@ def _main_then_vllm(argv: list[str], env: dict[str, str]) -> int:
     """The suite without the ``vllm`` marker while the engine is prepared, then the ``vllm`` tests."""
     prepared = _in_background(_prepare_vllm)
     t0 = time.monotonic()
-    rc_main = subprocess.call([*argv, "-m", "not vllm"], env=env)
+    rc_main = subprocess.call(with_marker(argv, "not vllm"), env=env)
     print(f"testrun: main suite took {time.monotonic() - t0:.0f} s", flush=True)
     error = prepared()
     if error is not None:
         print(f"error: the real vLLM engine could not be prepared: {error}", file=sys.stderr)
         return rc_main or 1
     t1 = time.monotonic()
-    rc_vllm = subprocess.call([*argv, "-m", "vllm", "--timeout", "900"], env=env)
+    rc_vllm = subprocess.call([*with_marker(argv, "vllm"), "--timeout", "900"], env=env)
     print(f"testrun: vllm tests took {time.monotonic() - t1:.0f} s", flush=True)
     rc_vllm = 0 if rc_vllm == 5 else rc_vllm  # 5: a path selection with no vllm test in it
     return rc_main or rc_vllm
+
+
+def with_marker(argv: list[str], expr: str) -> list[str]:
+    """``argv`` with pytest's ``-m`` narrowed by ``expr``: a ``-m E`` already there becomes
+    ``-m "(E) and (expr)"`` (pytest keeps only the last ``-m``, so appending would drop E)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "-m" and i + 1 < len(out):
+            out[i + 1] = f"({out[i + 1]}) and ({expr})"
+            return out
+        if arg.startswith("-m") and len(arg) > 2:
+            out[i] = f"-m({arg[2:]}) and ({expr})"
+            return out
+    return [*out, "-m", expr]
 
 
 def _prepare_vllm() -> str:

@@ -70,6 +70,10 @@ async def ensure_topics(
         except TopicAlreadyExistsError:
             pass  # another process created it between list and create
         await _until_visible(admin, missing, visible_timeout_s)
+        if replication_factor > 1:
+            # a topic another client created a moment ago may be missing from list_topics
+            # and refused as existing by create_topics: check every topic's replicas now
+            await _check_replication(admin, kafka_kwargs, wanted, [], replication_factor)
         return missing
     finally:
         await admin.close()
@@ -99,11 +103,22 @@ async def _check_replication(
     present = [n for n in wanted if n not in missing]
     if not present:
         return
-    short = []
-    for t in await admin.describe_topics(present):
-        replicas = min((len(p.get("replicas", [])) for p in t.get("partitions", [])), default=0)
-        if t.get("error_code") == 0 and replicas < replication_factor:
-            short.append(f"{t['topic']} ({replicas})")
+    # a topic created a moment ago may be missing from the metadata of the broker asked
+    # (the admin client asks any of them): ask again until each one is listed, or a
+    # one-replica topic would pass unseen
+    replicas: dict[str, int] = {}
+    deadline = time.monotonic() + 10.0
+    while True:
+        for t in await admin.describe_topics([n for n in present if n not in replicas]):
+            if t.get("error_code") == 0 and t.get("partitions"):
+                replicas[t["topic"]] = min(len(p.get("replicas", [])) for p in t["partitions"])
+        if len(replicas) == len(present) or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.05)
+    unseen = sorted(set(present) - set(replicas))
+    if unseen:
+        log.warning("replicas of topics %s unknown: not in the brokers' metadata after 10 s", unseen)
+    short = [f"{n} ({r})" for n, r in replicas.items() if r < replication_factor]
     if short:
         raise TopicSettingsError(
             f"topics with fewer replicas than the replication factor {replication_factor} at "

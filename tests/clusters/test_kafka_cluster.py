@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import pytest
@@ -35,12 +37,22 @@ async def test_topics_get_three_replicas_and_min_isr_two(local_kafka: Clusters) 
     admin = AIOKafkaAdminClient(bootstrap_servers=local_kafka.bootstrap)
     await admin.start()
     try:
+        # ensure_topics saw the topic on the broker it asked; another may lag a moment
+        deadline = time.monotonic() + 10
         (described,) = await admin.describe_topics([name])
+        while not described["partitions"]:
+            assert time.monotonic() < deadline, f"{name} has no partitions in the metadata"
+            await asyncio.sleep(0.1)
+            (described,) = await admin.describe_topics([name])
         assert [len(p["replicas"]) for p in described["partitions"]] == [3, 3, 3]
         # leaders spread over the brokers
         assert len({p["leader"] for p in described["partitions"]}) == 3
-        configs = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name)])
-        entries = {e[0]: e[1] for e in configs[0].resources[0][4]}
+        entries: dict[str, str] = {}
+        while "min.insync.replicas" not in entries:  # the config reaches every broker a moment later
+            assert time.monotonic() < deadline, f"{name}: no min.insync.replicas in {entries}"
+            res = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name)])
+            entries = {e[0]: e[1] for e in res[0].resources[0][4]}
+            await asyncio.sleep(0.1)
         assert entries["min.insync.replicas"] == "2"
     finally:
         await admin.close()

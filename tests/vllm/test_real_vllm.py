@@ -2,8 +2,9 @@
 
 Kafka, Redis, ``switchyard router`` (the test spread policy), one ``switchyard worker
 --backend vllm`` per instance of ``configs/clusters/real-vllm-cpu.yaml`` and one ``vllm
-serve`` per instance (``switchyard.vllm_servers``). 240 queries, completions and chat, prompts
-of 8 to ~600 tokens (below both servers' ``max_model_len``): exactly one Result each, TTFT
+serve`` per instance (``switchyard.vllm_servers``). 240 queries, completions and chat, prompt
+lengths from the Azure LLM 2023 conversation trace (its first 240 rows), scaled so the longest
+is ~600 tokens (below both servers' ``max_model_len``): exactly one Result each, TTFT
 measured, token counts from vLLM's usage chunk, cost from usage. A prompt past the context
 window (its producer under-declares ``prompt_tokens``, so the router routes it) comes back as
 an error Result carrying vLLM's 400 message. Also: the real ``openai`` SDK against a server.
@@ -28,10 +29,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from schemas import ClusterConfig, Result
+from sim.traffic import load_trace
 from state import StateStore
 from switchyard import vllm_servers
 from switchyard.processes import ProcessGroup
 from wiring import topics
+from wiring.paths import vendored_data
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -49,6 +52,14 @@ def real_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterCo
     finally:
         vllm_servers.vllm_down(home)
         assert not vllm_servers.vllm_down(home)
+
+
+def _trace_words(n: int, longest_words: int = 430) -> list[int]:
+    """Prompt lengths (words of ~1.4 tokens) of the Azure conv trace's first ``n`` rows,
+    scaled so the longest gets ``longest_words`` (~600 tokens, under narrow-0's 1024)."""
+    trace = load_trace(vendored_data("profiles", "traces", "azure_llm_2023_conv_first4000.csv.gz"))
+    tokens = trace.input_tokens[:n]
+    return [max(1, round(int(t) * longest_words / int(tokens.max()))) for t in tokens]
 
 
 def _prompt(rng: random.Random, n_words: int) -> str:
@@ -119,9 +130,9 @@ async def test_router_workers_real_vllm(
         await consumer.seek_to_end()
         rng = random.Random(18)
         bodies: dict[str, dict[str, object]] = {}
-        for i in range(N_QUERIES):
+        for i, n_words in enumerate(_trace_words(N_QUERIES)):
             qid = f"{rid}-q{i}"
-            text = f"q{i}: " + _prompt(rng, rng.choice((4, 16, 64, 200, 450)))
+            text = f"q{i}: " + _prompt(rng, n_words)
             body: dict[str, object] = {"id": qid, "max_tokens": 8, "created_at": time.time(),
                                        "ttft_slo_ms": 60_000}  # fmt: skip
             if i % 2:
