@@ -1,7 +1,7 @@
 """Step-time profile building and SFS validation against real vLLM request logs (offline).
 
 Reads CSV files (vendored under ``data/profiles`` or from a shared data folder), builds the
-dense tables, fits Eq. 9 per profile (``routing.profiles`` holds the fit and the loader),
+dense tables, fits Eq. 9 per profile (``routing.profiles`` holds the loader and the table),
 and replays real vLLM request logs through the simulated engine and SFS
 (``switchyard profiles build`` and ``switchyard validate-ttft`` are thin shells over this).
 """
@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+from routing.profiles import Table, attn_eff_units, dense_interp
+from routing.steptime import FitReport, StepTimeModel, attn_units, features, fit_nnls
+
+FloatArray = npt.NDArray[np.float64]
 
 # ---- profile specs -------------------------------------------------------------------------
 
@@ -154,7 +160,6 @@ def _obs_vllm_run(
     rows: list[dict[str, str]], dense: Any, budget: int
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Observations (features per step-sum, measured ms): [1, dense, n_decode, sum ctx, attn_eff]."""
-    from routing.profiles import attn_eff_units
 
     X, y, kind = [], [], []
     for r in _alone_rows(rows):
@@ -179,7 +184,6 @@ def _obs_vllm_run(
 def _obs_splitwise(
     rows: list[dict[str, str]], dense: Any, tp: int
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    from routing.profiles import attn_eff_units
 
     groups: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
     for r in rows:
@@ -213,8 +217,6 @@ def _obs_splitwise(
 def build_profiles(data_dir: Path, dense_tables: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Calibrate each profile's table on real timings, fit Eq. 9 on it; return profiles.json."""
     from scipy.optimize import nnls
-
-    from routing.profiles import Design, Table, dense_interp, fit_design, fit_on_table
 
     out: dict[str, Any] = {}
     calibrated: dict[str, dict[str, float]] = {}
@@ -489,3 +491,84 @@ def sched_for(
     if mns:
         kw["max_num_seqs"] = int(mns)
     return SchedulerConfig(**kw)
+
+
+# ---- fitting Eq. 9 on the table -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Design:
+    """Step compositions to fit on: one row per step."""
+
+    n_tokens: FloatArray
+    n_seqs: FloatArray
+    n_decode: FloatArray
+    decode_ctx: FloatArray
+    attn: FloatArray  # sum q(q/2+ctx)
+    attn_eff: FloatArray  # the same divided by kernel efficiency
+
+
+def fit_design(
+    budget_tokens: int,
+    max_seqs: int,
+    half_eff_tokens: float,
+    seed: int = 0,
+    kv_tokens: int | None = None,
+) -> Design:
+    """Steps a vLLM instance actually runs: decode-only, prefill-only and mixed batches.
+
+    Decode batches of 1..max_seqs sequences with mean context 64..8192; prefill chunks of
+    16..budget tokens on 0..8192 cached tokens; mixed batches of decodes plus one chunk
+    (mostly filling the budget: chunked prefill). With ``kv_tokens``, steps whose KV cache
+    could not fit on the instance are left out (they would only distort the fit).
+    """
+    rng = np.random.default_rng(seed)
+    rows: list[tuple[float, float, float, float, float, float]] = []
+
+    def add(decodes: int, ctx_mean: float, chunk: int, chunk_ctx: int) -> None:
+        if kv_tokens is not None and decodes * ctx_mean + chunk + chunk_ctx > kv_tokens:
+            return
+        a = float(attn_units(chunk, chunk_ctx)) if chunk else 0.0
+        ae = float(attn_eff_units(chunk, chunk_ctx, half_eff_tokens)) if chunk else 0.0
+        rows.append(
+            (
+                float(decodes + chunk),
+                float(decodes + (1 if chunk else 0)),
+                float(decodes),
+                float(decodes * ctx_mean),
+                a,
+                ae,
+            )
+        )
+
+    seqs = np.unique(np.geomspace(1, max_seqs, 12).astype(int))
+    for n in seqs:
+        for ctx in (64, 256, 1024, 2048, 4096, 8192):
+            add(int(n), ctx, 0, 0)
+    chunks = np.unique(np.geomspace(16, budget_tokens, 14).astype(int))
+    for q in chunks:
+        for ctx in (0, 512, 2048, 8192):
+            add(0, 0, int(q), ctx)
+    for _ in range(300):
+        n = int(rng.integers(1, max_seqs + 1))
+        ctx_mean = float(rng.uniform(128, 4096))
+        q = max(0, budget_tokens - n) if rng.random() < 0.7 else int(rng.integers(1, budget_tokens))
+        add(n, ctx_mean, min(q, budget_tokens), int(rng.integers(0, 4096)))
+    arr = np.asarray(rows, dtype=np.float64)
+    return Design(*(arr[:, i].copy() for i in range(6)))
+
+
+def fit_on_table(table: Table, design: Design) -> FitReport:
+    """NNLS fit of Eq. 9 to the table-priced steps of ``design`` (relative error)."""
+    t = table.step_ms(
+        design.n_tokens, design.n_seqs, design.n_decode, design.decode_ctx, design.attn_eff
+    )
+    X = features(design.n_tokens, design.decode_ctx, design.attn)
+    return fit_nnls(X, t)
+
+
+def ape(model: StepTimeModel, X: npt.ArrayLike, t_ms: npt.ArrayLike) -> FloatArray:
+    """Absolute percentage errors (fractions) of ``model`` on design rows ``X``."""
+    A = np.asarray(X, dtype=np.float64)
+    y = np.asarray(t_ms, dtype=np.float64)
+    return np.asarray(np.abs(A @ model.coef - y) / y, dtype=np.float64)

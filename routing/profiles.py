@@ -16,7 +16,7 @@ A profile (``data/profiles/profiles.json``) holds, per model and GPU:
 * ``fit``: the Eq. 9 fit error against the table and against the real timings.
 
 Loading reads one small JSON file once (cached), so :func:`load_profile` is fast. The
-tables and fits are rebuilt by ``switchyard profiles build`` / ``switchyard profiles refit``
+tables and fits are rebuilt (``offline.profiles``) by ``switchyard profiles build`` / ``refit``
 (source and license of every number: ``data/profiles/README.md``).
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routing.steptime import FitReport, StepTimeModel, attn_units, features, fit_nnls
+from routing.steptime import StepTimeModel, attn_units
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -160,84 +160,3 @@ def attn_eff_units(chunk: npt.ArrayLike, ctx: npt.ArrayLike, half_eff_tokens: fl
     return np.asarray(
         attn_units(q, ctx) * (q + half_eff_tokens) / np.maximum(q, 1e-9), dtype=np.float64
     )
-
-
-# ---- fitting Eq. 9 on the table -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Design:
-    """Step compositions to fit on: one row per step."""
-
-    n_tokens: FloatArray
-    n_seqs: FloatArray
-    n_decode: FloatArray
-    decode_ctx: FloatArray
-    attn: FloatArray  # sum q(q/2+ctx)
-    attn_eff: FloatArray  # the same divided by kernel efficiency
-
-
-def fit_design(
-    budget_tokens: int,
-    max_seqs: int,
-    half_eff_tokens: float,
-    seed: int = 0,
-    kv_tokens: int | None = None,
-) -> Design:
-    """Steps a vLLM instance actually runs: decode-only, prefill-only and mixed batches.
-
-    Decode batches of 1..max_seqs sequences with mean context 64..8192; prefill chunks of
-    16..budget tokens on 0..8192 cached tokens; mixed batches of decodes plus one chunk
-    (mostly filling the budget: chunked prefill). With ``kv_tokens``, steps whose KV cache
-    could not fit on the instance are left out (they would only distort the fit).
-    """
-    rng = np.random.default_rng(seed)
-    rows: list[tuple[float, float, float, float, float, float]] = []
-
-    def add(decodes: int, ctx_mean: float, chunk: int, chunk_ctx: int) -> None:
-        if kv_tokens is not None and decodes * ctx_mean + chunk + chunk_ctx > kv_tokens:
-            return
-        a = float(attn_units(chunk, chunk_ctx)) if chunk else 0.0
-        ae = float(attn_eff_units(chunk, chunk_ctx, half_eff_tokens)) if chunk else 0.0
-        rows.append(
-            (
-                float(decodes + chunk),
-                float(decodes + (1 if chunk else 0)),
-                float(decodes),
-                float(decodes * ctx_mean),
-                a,
-                ae,
-            )
-        )
-
-    seqs = np.unique(np.geomspace(1, max_seqs, 12).astype(int))
-    for n in seqs:
-        for ctx in (64, 256, 1024, 2048, 4096, 8192):
-            add(int(n), ctx, 0, 0)
-    chunks = np.unique(np.geomspace(16, budget_tokens, 14).astype(int))
-    for q in chunks:
-        for ctx in (0, 512, 2048, 8192):
-            add(0, 0, int(q), ctx)
-    for _ in range(300):
-        n = int(rng.integers(1, max_seqs + 1))
-        ctx_mean = float(rng.uniform(128, 4096))
-        q = max(0, budget_tokens - n) if rng.random() < 0.7 else int(rng.integers(1, budget_tokens))
-        add(n, ctx_mean, min(q, budget_tokens), int(rng.integers(0, 4096)))
-    arr = np.asarray(rows, dtype=np.float64)
-    return Design(*(arr[:, i].copy() for i in range(6)))
-
-
-def fit_on_table(table: Table, design: Design) -> FitReport:
-    """NNLS fit of Eq. 9 to the table-priced steps of ``design`` (relative error)."""
-    t = table.step_ms(
-        design.n_tokens, design.n_seqs, design.n_decode, design.decode_ctx, design.attn_eff
-    )
-    X = features(design.n_tokens, design.decode_ctx, design.attn)
-    return fit_nnls(X, t)
-
-
-def ape(model: StepTimeModel, X: npt.ArrayLike, t_ms: npt.ArrayLike) -> FloatArray:
-    """Absolute percentage errors (fractions) of ``model`` on design rows ``X``."""
-    A = np.asarray(X, dtype=np.float64)
-    y = np.asarray(t_ms, dtype=np.float64)
-    return np.asarray(np.abs(A @ model.coef - y) / y, dtype=np.float64)
