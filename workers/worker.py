@@ -86,6 +86,8 @@ class WorkerConfig:
     result_ttl_s: float = 7 * 86_400.0
     max_pending: int | None = None  # received but unfinished; default 4 x concurrency
     drain_timeout_s: float = 30.0
+    # the most one offset commit (and, at shutdown, the consumer's and producer's stop) may take
+    commit_timeout_s: float = 15.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no endpoint; 0: a free port
     limits: Limits = Limits()
@@ -264,10 +266,11 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
             await self._best_effort(self.state.instance_down(self.instance_id))
+            # bounded too: a clean stop leaves the group and flushes, but never hangs shutdown
             with contextlib.suppress(Exception):
-                await self._consumer.stop()
+                await asyncio.wait_for(self._consumer.stop(), self.config.commit_timeout_s)
             with contextlib.suppress(Exception):
-                await self._producer.stop()
+                await asyncio.wait_for(self._producer.stop(), self.config.commit_timeout_s)
             await self.backend.close()
             if metrics_runner is not None:
                 await metrics_runner.cleanup()
@@ -368,8 +371,17 @@ class Worker:
         if not offsets:
             return
         try:
-            await self._consumer.commit(offsets)
+            # bounded: aiokafka retries a commit while it has no coordinator, and an unbounded
+            # wait stalls consumption (or shutdown); uncommitted offsets are retried next time
+            await asyncio.wait_for(self._consumer.commit(offsets), self.config.commit_timeout_s)
             self._tracker.committed(offsets)
+        except TimeoutError:
+            log.warning(
+                "worker %s: commit took over %g s; will retry",
+                self.instance_id,
+                self.config.commit_timeout_s,
+            )
+            self.metrics.error("commit")
         except (CommitFailedError, KafkaError) as exc:
             # the group rebalanced: the new owner re-reads from the last commit (duplicates are skipped)
             log.warning("worker %s: commit failed (%s); will retry", self.instance_id, exc)
