@@ -66,6 +66,8 @@ class Window:
         if self.prefixes is None:
             return None
         hits = self.hit_tokens[rows, k]
+        if not self.prefixes.shares_any and not hits.any():
+            return None  # no hit and no pair sharing a block: the matrix below is all zero
         shared = self.prefixes.shared_matrix(rows) if in_order and rows.size > 1 else None
         if not hits.any() and (shared is None or not shared.any()):
             return None

@@ -94,9 +94,32 @@ def register(app: typer.Typer) -> None:
         rescue_lease_s: float = typer.Option(
             15.0, "--rescue-lease-s", help="A re-routing claim not renewed this long lapses"
         ),
+        online_step_time: bool = typer.Option(
+            True,
+            "--online-step-time/--configured-step-time",
+            help="SFS uses the Eq. 9 coefficients the workers refit online (read from Redis "
+            "with each window's snapshot), else the cluster config's",
+        ),
+        step_time_max_age_s: float = typer.Option(
+            600.0,
+            "--step-time-max-age-s",
+            min=1.0,
+            help="Online coefficients older than this are ignored (the configured ones apply)",
+        ),
+        blas_threads: int = typer.Option(
+            1,
+            "--blas-threads",
+            min=0,
+            help="numpy BLAS threads (the quality predictor's products); 0: BLAS's own "
+            "default. One by default: spare threads busy-wait on cores the broker and Redis share",
+        ),
         loglevel: str = typer.Option("WARNING", "--loglevel"),
     ) -> None:
         """Route queries from `queries` to `route.<instance>` in windows."""
+        if blas_threads:
+            from offline.blas import limit_blas_threads
+
+            limit_blas_threads(blas_threads)
         from routing.policies.registry import effective_options, parse_options
         from schemas import ClusterConfig
         from streams.app import create_app, run
@@ -150,6 +173,8 @@ def register(app: typer.Typer) -> None:
             max_hold_s=max_hold_s,
             budget_hold_s=budget_hold_s,
             pacing_factor=pacing,
+            online_step_time=online_step_time,
+            step_time_max_age_s=step_time_max_age_s,
         )
         runtime = create_app(
             spec,
