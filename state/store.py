@@ -23,8 +23,18 @@ from typing import Any, Literal, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import InstanceSnapshot, ResidentRequest
@@ -64,6 +74,7 @@ SCRIPTS = (
     "ledger_mark",
     "ledger_rebuild",
     "claim",
+    "attempt",
 )
 LEDGER_REBUILD_CHUNK = 1000  # query ids per ledger_rebuild call: Redis never blocks long
 TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
@@ -75,6 +86,38 @@ CLAIM_TTL_S = 7 * 86_400.0  # as long as a result mark: a copy can wait that lon
 
 class StateUnavailable(RuntimeError):
     """Redis could not be reached or timed out; callers fall back (LPS estimates, blind budget)."""
+
+
+# What a Redis (Cluster) that is not serving right now answers; each goes away by itself:
+# the node is unreachable or timed out; a failover is under way (CLUSTERDOWN, MASTERDOWN,
+# TRYAGAIN, a slot no primary serves yet, redirections that do not settle: ClusterError
+# "TTL exhausted"); a write reached a primary demoted to a replica (READONLY); a node still
+# loading its AOF (LOADING, a ConnectionError in redis-py); a primary that refuses writes
+# under ``min-replicas-to-write`` until a replica is back (NOREPLICAS). Each is a
+# ``StateUnavailable``, so routers route blind and workers skip best-effort writes, as for
+# a Redis that is down. Before, only the first kind was: during a Redis Cluster failover
+# the others reached a worker as failures of the message's own, and lost queries
+# (docs/reliability.md, bug 19).
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterError,  # ClusterDownError, MasterDownError, "TTL exhausted"
+    TryAgainError,
+    SlotNotCoveredError,
+    ReadOnlyError,
+    AskError,  # MovedError too: a redirection the client could not follow
+)
+
+
+def unavailable(exc: BaseException) -> bool:
+    """True for an error that means Redis is not serving right now (``UNAVAILABLE_ERRORS``,
+    or redis-py's "cannot be connected" after a failed re-discovery of the cluster)."""
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        return True
+    if isinstance(exc, ResponseError) and str(exc).startswith("NOREPLICAS"):
+        return True  # a primary under ``min-replicas-to-write`` without its replicas
+    return isinstance(exc, RedisClusterException) and isinstance(exc.__cause__, UNAVAILABLE_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -348,10 +391,21 @@ class StateStore:
                 async with self._gate:
                     return await awaitable
             return await awaitable
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
             raise StateUnavailable(
-                f"Redis at {self.display_url} unavailable during {op}: {exc}"
+                f"Redis at {self.display_url} unavailable during {op}: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _raise_reply(self, op: str, reply: BaseException) -> None:
+        """Raise an error reply of a ``raise_on_error=False`` pipeline as ``_call`` would."""
+        if unavailable(reply):
+            raise StateUnavailable(
+                f"Redis at {self.display_url} unavailable during {op}: "
+                f"{type(reply).__name__}: {reply}"
+            ) from reply
+        raise reply
 
     async def _script_many(
         self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
@@ -756,7 +810,11 @@ class StateStore:
 
     async def budget_status(self, tenant: str, period_id: str) -> BudgetStatus:
         ledger, res, settled = self.keys.ledger(tenant, period_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
+        # MULTI/EXEC only on a single node: redis-py's cluster transaction runs a pending
+        # re-discovery in a thread of its own, whose event loop trips over the client's lock
+        # ("bound to a different event loop") after a failover. The one HGETALL that holds
+        # the money is atomic without it; the two counts are informative
+        pipe: Pipeline = self._r.pipeline(transaction=not is_cluster_client(self._r))
         pipe.hgetall(ledger)
         pipe.hlen(res)
         pipe.hlen(settled)
@@ -947,9 +1005,9 @@ class StateStore:
             if isinstance(replies[n], NoScriptError):  # Redis restarted: load and run just this one
                 replies[n] = await self._script(name, keys, args)
             elif isinstance(replies[n], Exception):
-                raise replies[n]
+                self._raise_reply("finish", replies[n])
         if isinstance(replies[0], Exception):
-            raise replies[0]
+            self._raise_reply("finish", replies[0])
         settled = bool(replies[1]) if len(calls) == 2 else False
         return bool(replies[0]), settled
 
@@ -967,11 +1025,7 @@ class StateStore:
         A count above 1 is repeated inference: a re-delivery after a worker crash.
         """
         key = self.keys.attempt(query_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.pexpire(key, _seconds_ms(ttl_s, "attempt ttl_s"))
-        n, _ = await self._call("mark_attempt", pipe.execute())
-        return int(n)
+        return int(await self._script("attempt", [key], [_seconds_ms(ttl_s, "attempt ttl_s")]))
 
     # ------------------------------------------------------------------ claims (re-routing)
 
