@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal, TypeVar, cast
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
@@ -110,14 +112,35 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def unavailable(exc: BaseException) -> bool:
+_REDIS_PY = os.path.dirname(redis.__file__)
+
+
+def unavailable(exc: BaseException, *, cluster: bool = False) -> bool:
     """True for an error that means Redis is not serving right now (``UNAVAILABLE_ERRORS``,
-    or redis-py's "cannot be connected" after a failed re-discovery of the cluster)."""
+    or redis-py's "cannot be connected" after a failed re-discovery of the cluster).
+
+    ``cluster``: the error came out of a call of redis-py's cluster client. On CLUSTERDOWN
+    that client closes every connection of the cluster, also those other tasks are using,
+    which then fail inside redis-py with ``AttributeError`` (``'NoneType' object has no
+    attribute 'writelines'``) or ``RuntimeError``; raised from redis-py's own code, those
+    are the failover too (seen in scenario 15)."""
     if isinstance(exc, UNAVAILABLE_ERRORS):
+        return True
+    if cluster and isinstance(exc, AttributeError | RuntimeError) and _raised_in_redis_py(exc):
         return True
     if isinstance(exc, ResponseError) and str(exc).startswith("NOREPLICAS"):
         return True  # a primary under ``min-replicas-to-write`` without its replicas
     return isinstance(exc, RedisClusterException) and isinstance(exc.__cause__, UNAVAILABLE_ERRORS)
+
+
+def _raised_in_redis_py(exc: BaseException) -> bool:
+    """True when a frame of redis-py's own code is on ``exc``'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 @dataclass(frozen=True)
@@ -298,6 +321,7 @@ class StateStore:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, display_url: str) -> None:
         self._r = client
+        self._cluster = is_cluster_client(client)
         self.keys = keys
         self.display_url = display_url
         self._snap_cache: dict[str, dict[str, tuple[str, ResidentRequest]]] = {}
@@ -392,7 +416,9 @@ class StateStore:
                     return await awaitable
             return await awaitable
         except Exception as exc:
-            if not unavailable(exc):
+            if isinstance(exc, StateConfigError) or not unavailable(
+                exc, cluster=self._gate is not None
+            ):
                 raise
             raise StateUnavailable(
                 f"Redis at {self.display_url} unavailable during {op}: {type(exc).__name__}: {exc}"
@@ -400,7 +426,7 @@ class StateStore:
 
     def _raise_reply(self, op: str, reply: BaseException) -> None:
         """Raise an error reply of a ``raise_on_error=False`` pipeline as ``_call`` would."""
-        if unavailable(reply):
+        if unavailable(reply, cluster=self._cluster):
             raise StateUnavailable(
                 f"Redis at {self.display_url} unavailable during {op}: "
                 f"{type(reply).__name__}: {reply}"

@@ -162,8 +162,12 @@ def _whereabouts(rig: Rig, reader: TopicReader, qids: list[str]) -> dict[str, An
     from state.keys import Keys
 
     keys = Keys(rig.settings.namespace)
-    client = redis.RedisCluster.from_url(
-        clusters.redis_cluster_url(rig.redis), decode_responses=True, socket_timeout=5
+    client = redis.RedisCluster(
+        startup_nodes=[
+            redis.cluster.ClusterNode("127.0.0.1", int(r.extra["port"])) for r in rig.redis
+        ],
+        decode_responses=True,
+        socket_timeout=5,
     )
     logs = {p.name: p.text() for p in rig.procs.started}
     out: dict[str, Any] = {}
@@ -281,7 +285,10 @@ async def _replay_with_fault(
         fates["dead_letters"] = _dead_letters_of(reader, run_id)
         odd = [q for q in ids if len(reader.tally.results.get(q, [])) != 1]
         if odd:
-            fates["whereabouts"] = await asyncio.to_thread(_whereabouts, rig, reader, odd)
+            try:
+                fates["whereabouts"] = await asyncio.to_thread(_whereabouts, rig, reader, odd)
+            except Exception as exc:  # noqa: BLE001 - the figures matter more than the trace
+                fates["whereabouts"] = f"could not be read: {type(exc).__name__}: {exc}"
     fates.update(
         rate_per_s=RATE_PER_S,
         produce_s=round(sent_s, 1),

@@ -532,3 +532,22 @@ def test_what_a_failing_over_cluster_answers_is_unavailable_not_a_bug() -> None:
         ValueError("a bug"),
     ]:
         assert not unavailable(exc), exc
+
+
+async def test_a_connection_torn_down_under_the_cluster_client_is_unavailable() -> None:
+    """On CLUSTERDOWN redis-py's cluster client closes every connection, also those other
+    tasks are writing to; they fail inside redis-py with AttributeError (seen in scenario
+    15, bug 19). From the cluster client that is the failover; from anywhere else a bug."""
+    from redis.asyncio.connection import Connection
+
+    from state.store import unavailable
+
+    closed = Connection()  # what another task's aclose() left: no stream writer
+    with pytest.raises(AttributeError) as caught:
+        await closed._send_packed_command([b"PING"])
+    assert unavailable(caught.value, cluster=True)
+    assert not unavailable(caught.value)  # a single-node client has no such race
+    try:
+        None.writelines  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as ours:
+        assert not unavailable(ours, cluster=True)  # not raised in redis-py: a bug of ours
