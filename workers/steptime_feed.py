@@ -110,7 +110,8 @@ class StepTimeFeed:
         return self.refitter.model
 
     # ---- what the worker sees -------------------------------------------------------
-    def _state(self) -> InstanceState:
+    def state(self) -> InstanceState:
+        """The in-flight requests as SFS takes them (a snapshot of what the worker knows)."""
         rs = sorted(self._live.values(), key=lambda r: r.order)
         prompt = np.fromiter((r.prompt_tokens for r in rs), np.int64, len(rs))
         decoded = np.fromiter((r.decoded for r in rs), np.int64, len(rs))
@@ -137,7 +138,7 @@ class StepTimeFeed:
             max(1, int(prompt_tokens)),
             max(1, int(predicted_output_tokens)),
             now,
-            self._state(),
+            self.state(),
             predicted_ttft_ms=predicted_ttft_ms,
             decided_at=decided_at,
         )
