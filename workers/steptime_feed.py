@@ -168,9 +168,14 @@ class StepTimeFeed:
             self._anchor = _Anchor(qid, self._epoch, now, r.decoded, contexts)
 
     def finished(
-        self, qid: str, engine_ttft_ms: float | None, first_token_at: float | None
+        self,
+        qid: str,
+        engine_ttft_ms: float | None,
+        first_token_at: float | None,
+        prompt_tokens: int | None = None,
     ) -> None:
-        """The request is over (``engine_ttft_ms`` None: it failed before its first token)."""
+        """The request is over (``engine_ttft_ms`` None: it failed before its first token).
+        ``prompt_tokens``: the engine's own count (usage), when it said, for this row."""
         r = self._live.pop(qid, None)
         if r is None:
             return
@@ -182,7 +187,7 @@ class StepTimeFeed:
             if measured > 0:
                 self._err_router.append(abs(r.predicted_ttft_ms - measured) / measured)
         try:
-            row = ttft_row(r.state, r.prompt_tokens, self.sched)
+            row = ttft_row(r.state, prompt_tokens or r.prompt_tokens, self.sched)
         except ValueError:
             self.rows["skipped"] += 1
             return
