@@ -15,6 +15,18 @@ prompt (else ``default_prompt_tokens``) and mean predicted output (else
 one with nothing done. Listed rows are never dropped (the engine reporting fewer means its
 scrape is older than the list, or listed requests still queue in the worker). Unknown
 counts (None) change nothing. Pure: the worker scrapes, ``streams.views`` calls this.
+
+The engine's KV-cache usage (vLLM ``kv_cache_usage_perc``, 0..1) sizes the added running
+rows when it is known: the tokens it holds beyond what the listed rows hold are split
+evenly over them, so an unlisted long-context request costs the router its real share of
+KV blocks and decode time, not a typical prompt's:
+
+    prompt_added_running = clip((kv_usage * kv_capacity_tokens - listed_tokens) / add_running,
+                                1, max_model_len)
+
+(``listed_tokens`` = the listed rows' prefilled + decoded tokens). With no added running row
+the usage changes nothing: the engine's blocks are then the listed requests', shared prefix
+blocks counted once, so it can be below the listed sum but says nothing new.
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ def reconcile_engine_counts(
     engine_waiting: int | None,
     default_prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
     default_output_tokens: int = 128,
+    engine_kv_usage: float | None = None,
+    kv_capacity_tokens: int | None = None,
+    max_model_len: int | None = None,
 ) -> InstanceState:
     """``state`` with rows added until it has the engine's running and waiting counts."""
     running_listed = int((state.prefilled_tokens > 0).sum())
@@ -42,11 +57,19 @@ def reconcile_engine_counts(
     prompt = int(round(state.prompt_tokens.mean())) if state.n else default_prompt_tokens
     output = int(round(state.predicted_output_tokens.mean())) if state.n else default_output_tokens
     prompt, output = max(1, prompt), max(1, output)
+    running_prompt = prompt
+    if add_running and engine_kv_usage is not None and kv_capacity_tokens:
+        listed = int(state.prefilled_tokens.sum() + state.decoded_tokens.sum())
+        unlisted = engine_kv_usage * kv_capacity_tokens - listed
+        running_prompt = max(1, int(round(unlisted / add_running)))
+        if max_model_len is not None:
+            running_prompt = min(running_prompt, max_model_len)
     k = add_running + add_waiting
     running = np.arange(k) < add_running
+    prompts = np.where(running, running_prompt, prompt).astype(np.int64)
     return InstanceState(
-        np.concatenate([state.prompt_tokens, np.full(k, prompt, np.int64)]),
-        np.concatenate([state.prefilled_tokens, np.where(running, prompt, 0).astype(np.int64)]),
+        np.concatenate([state.prompt_tokens, prompts]),
+        np.concatenate([state.prefilled_tokens, np.where(running, prompts, 0).astype(np.int64)]),
         np.concatenate([state.decoded_tokens, running.astype(np.int64)]),
         np.concatenate([state.predicted_output_tokens, np.full(k, output, np.int64)]),
     )

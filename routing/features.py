@@ -133,14 +133,27 @@ def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -
 
 
 def _scalar_features(texts: Sequence[str]) -> Float32Array:
-    out = np.empty((len(texts), N_SCALAR), dtype=np.float32)
-    for i, t in enumerate(texts):
-        n = max(len(t), 1)
-        out[i, 0] = np.log1p(len(t))
-        out[i, 1] = (len(t) - len(t.encode("ascii", "ignore"))) / n
-        out[i, 2] = sum(t.count(d) for d in "0123456789") / n
-        out[i, 3] = np.log1p(t.count("\n"))
-        out[i, 4] = np.log1p(len(t.split()))
+    """Per text: log(1 + characters), shares of non-ASCII and of digit characters,
+    log(1 + newlines), log(1 + words); counted over all texts' code points at once."""
+    n_texts = len(texts)
+    out = np.empty((n_texts, N_SCALAR), dtype=np.float32)
+    if n_texts == 0:
+        return out
+    cps, doc = _codepoints(texts)
+    length = np.fromiter((len(t) for t in texts), np.int64, n_texts)
+
+    def per_text(mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.float64]:
+        counts: npt.NDArray[np.float64] = np.bincount(doc[mask], minlength=n_texts).astype(
+            np.float64
+        )
+        return counts
+
+    n = np.maximum(length, 1).astype(np.float64)
+    out[:, 0] = np.log1p(length.astype(np.float64))
+    out[:, 1] = per_text(cps >= 128) / n
+    out[:, 2] = per_text((cps >= 48) & (cps <= 57)) / n
+    out[:, 3] = np.log1p(per_text(cps == 10))
+    out[:, 4] = np.log1p(np.fromiter((len(t.split()) for t in texts), np.float64, n_texts))
     return out
 
 

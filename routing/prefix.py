@@ -168,6 +168,13 @@ class WindowPrefixes:
         out: IntArray = np.maximum(np.minimum(tokens, (self.prompt_tokens - 1)[:, None]), 0)
         return out
 
+    @cached_property
+    def shares_any(self) -> bool:
+        """Whether any two queries of the window hold a block hash in common; when not,
+        every ``shared_matrix`` is zero (so SFS need not be given one)."""
+        h = self.hashes
+        return self.n >= 2 and h.size >= 2 and bool(np.unique(h).size < h.size)
+
     def shared_matrix(self, rows: IntArray) -> IntArray:
         """``[m, m]`` tokens of query ``rows[a]``'s prompt that ``rows[b]`` (b < a) shares:
         their common leading blocks (for chained hashes, the number of a's hashes that b

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from routing.engine_counts import reconcile_engine_counts
 from routing.types import Budget, InstanceState, InstanceView
@@ -34,11 +34,14 @@ class LiveLike(Protocol):
     slots_used: int
     alive: bool
     age_s: float
+    engine_running: int | None  # the engine's own counts (vLLM /metrics); None: unknown
+    engine_waiting: int | None
+    engine_kv_usage: float | None  # 0..1
 
 
 def instance_views(
     cluster: ClusterConfig,
-    live: Mapping[str, Any],
+    live: Mapping[str, LiveLike],
     now: float,
     stale_after_s: float,
     arrival_rate_per_s: Mapping[str, float] | None = None,
@@ -60,9 +63,12 @@ def instance_views(
         if state is not None:  # at least as many running/waiting as the engine itself reports
             state = reconcile_engine_counts(
                 state,
-                getattr(info, "engine_running", None),
-                getattr(info, "engine_waiting", None),
+                info.engine_running,
+                info.engine_waiting,
                 default_output_tokens=int(model.mean_output_tokens or 128),
+                engine_kv_usage=info.engine_kv_usage,
+                kv_capacity_tokens=model.scheduler.kv_blocks * model.scheduler.block_size_tokens,
+                max_model_len=model.max_model_len,
             )
         views.append(
             InstanceView(

@@ -111,3 +111,35 @@ def one_blas_thread() -> Iterator[None]:
     yield
     for n, put in saved:
         put(n)
+
+
+@pytest.fixture(autouse=True)
+def _dump_asyncio_tasks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test about to hit pytest-timeout prints every pending asyncio task's stack to
+    stderr first: the timeout's own dump shows only threads, and a hung ``await`` sits in
+    a task while the loop idles in ``select`` (the worker-test hangs of two CI runs)."""
+    import asyncio
+    import sys
+    import threading
+
+    marker = request.node.get_closest_marker("timeout")
+    timeout_s = float(marker.args[0]) if marker and marker.args else request.config.getoption(
+        "timeout", None
+    ) or 0.0
+    if timeout_s <= 15:
+        yield
+        return
+
+    def dump() -> None:
+        tasks = [t for t in list(getattr(asyncio.tasks, "_all_tasks", ())) if not t.done()]
+        print(f"\n+++ {len(tasks)} pending asyncio tasks {timeout_s - 10:g} s in +++", file=sys.stderr)
+        for task in tasks:
+            print(f"--- {task!r}", file=sys.stderr)
+            task.print_stack(limit=30, file=sys.stderr)
+        sys.stderr.flush()
+
+    timer = threading.Timer(timeout_s - 10, dump)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()

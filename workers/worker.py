@@ -103,8 +103,17 @@ class WorkerConfig:
     # unavailable (no heartbeat: queries already routed here get error Results, never
     # silence) and checks the model when the engine first answers
     engine_start_timeout_s: float = 600.0
+    # the longest one poll of the route topic may block. aiokafka's getmany waits, without a
+    # bound and whatever its timeout, while a group rebalance is in progress; a join that
+    # stalls (a slow coordinator on a loaded machine) then kept the worker from seeing
+    # ``stop`` at all: two CI runs hung 300 s in tests/workers this way
+    poll_bound_s: float = 1.0
+    # a group join unfinished this long is logged (once per stall) with the group's name
+    group_stall_warn_s: float = 20.0
 
     def __post_init__(self) -> None:
+        if not self.poll_bound_s >= 0.2:
+            raise ValueError(f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}")
         if not 0.1 <= self.metadata_refresh_s <= 300.0:
             raise ValueError(
                 f"WorkerConfig.metadata_refresh_s must be within 0.1-300 s, "
@@ -192,6 +201,8 @@ class Worker:
         self._consumer: AIOKafkaConsumer | None = None
         self._fatal: BaseException | None = None
         self._started = asyncio.Event()
+        self._stalled_since: float | None = None  # monotonic start of polls cut by poll_bound_s
+        self._stall_said = False
         # the engine failed its last health probe: no heartbeat (routers stop routing here)
         self._engine_lost = False
         self._model_checked = False  # GET /v1/models named this instance's model
@@ -330,7 +341,7 @@ class Worker:
             elif free > 0 and paused:
                 consumer.resume(*consumer.assignment())
                 paused = False
-            batch = await consumer.getmany(timeout_ms=100, max_records=max(1, free))
+            batch = await self._poll(consumer, max(1, free))
             if not self._started.is_set() and consumer.assignment():
                 self._started.set()
             for tp, records in batch.items():
@@ -342,6 +353,35 @@ class Worker:
             if time.monotonic() - last_commit >= 0.2:
                 await self._commit()
                 last_commit = time.monotonic()
+
+    async def _poll(self, consumer: AIOKafkaConsumer, max_records: int) -> dict[Any, Any]:
+        """One ``getmany``, bounded by ``poll_bound_s`` even while the group rebalances
+        (aiokafka then waits for the new assignment first); a stalled join is logged.
+
+        Cutting that wait is safe: no record has been taken from the fetcher yet. (aiokafka's
+        fetch counter then stays raised, so the consumer never counts as idle — true here,
+        the loop polls without pause.)"""
+        try:
+            async with asyncio.timeout(self.config.poll_bound_s):
+                batch: dict[Any, Any] = await consumer.getmany(
+                    timeout_ms=100, max_records=max_records
+                )
+            self._stalled_since = None
+            return batch
+        except TimeoutError:
+            now = time.monotonic()
+            if self._stalled_since is None:
+                self._stalled_since = now
+                self._stall_said = False
+            elif now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said:
+                self._stall_said = True
+                self.metrics.error("group_join")
+                log.warning(
+                    "worker %s: the consumer group %s has not finished joining for %.0f s "
+                    "(nothing is consumed meanwhile); still trying",
+                    self.instance_id, topics.worker_group(self.instance_id), now - self._stalled_since,
+                )  # fmt: skip
+            return {}
 
     async def _drain(self) -> None:
         """Let in-flight work finish (bounded), then commit what is done."""

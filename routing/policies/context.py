@@ -192,11 +192,12 @@ class RouterContext:
         if not math.isfinite(self.lam_per_usd) or self.lam_per_usd < 0:
             raise ValueError(f"lam_per_usd must be a finite number >= 0, got {self.lam_per_usd}")
         known = set(self.quality.models)
-        missing = [m.name for m in self.cluster.models if m.name not in known]
+        missing = [m.name for m in self.cluster.models if m.predictor_key not in known]
         if missing:
             raise ValueError(
                 f"the quality predictor has no column for models {missing}; "
-                f"it knows {sorted(known)}: retrain it or fix the cluster config"
+                f"it knows {sorted(known)}: retrain it, or name the column each model is "
+                "read from with `quality_as` in the cluster config"
             )
         if self.ttft is None:
             self.ttft = SfsTtft(self.cluster, self.step_time)

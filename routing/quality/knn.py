@@ -6,6 +6,13 @@ with N(i) the ``k`` most similar training queries, s the (clipped) cosine simila
 and w_k the bootstrap count of query k in a replicate. One neighbour search serves
 all ``B`` replicates (replicates differ only by the counts w), so the bootstrap costs
 one extra weighted average, not ``B`` searches.
+
+The similarities are computed in fixed blocks of ``SIM_BLOCK_ROWS`` query rows (the last
+one zero-padded): BLAS picks its kernel by the shapes of a call (a single row goes to a
+matrix-vector kernel, whose sums round differently), so one call per window would make a
+query's prediction depend on how many others shared its window. With every call the same
+shape, a query predicts bit for bit the same alone as in any window, which is what lets
+``QualityPredictor`` memoise predictions by text.
 """
 
 from __future__ import annotations
@@ -17,6 +24,25 @@ import numpy.typing as npt
 
 from routing.quality.base import Arrays, Float32Array, bootstrap_weights, check_xy
 from routing.types import FloatArray
+
+SIM_BLOCK_ROWS = 64  # query rows per similarity matrix product (module docstring)
+
+
+def block_similarity(z: Float32Array, ZT: Float32Array) -> Float32Array:
+    """``z @ ZT`` computed ``SIM_BLOCK_ROWS`` rows at a time: row ``i`` of the result does not
+    depend on the other rows of ``z`` (module docstring)."""
+    n = z.shape[0]
+    out: Float32Array = np.empty((n, ZT.shape[1]), dtype=np.float32)
+    block = np.zeros((SIM_BLOCK_ROWS, z.shape[1]), dtype=np.float32)
+    for start in range(0, n, SIM_BLOCK_ROWS):
+        rows = min(SIM_BLOCK_ROWS, n - start)
+        if rows == SIM_BLOCK_ROWS:
+            np.matmul(z[start : start + rows], ZT, out=out[start : start + rows])
+        else:
+            block[:rows] = z[start : start + rows]
+            block[rows:] = 0.0
+            out[start : start + rows] = (block @ ZT)[:rows]
+    return out
 
 
 class KNNEstimator:
@@ -35,6 +61,7 @@ class KNNEstimator:
         self.M: npt.NDArray[np.float32] | None = None
         self.W: npt.NDArray[np.float32] | None = None  # [B, n_train]
         self.prior: npt.NDArray[np.float32] | None = None  # [B, m]
+        self._ZT: Float32Array | None = None  # Z transposed, contiguous (the product's right side)
 
     def _z(self, X: Float32Array) -> Float32Array:
         d = self.semantic_dims or X.shape[1]
@@ -48,6 +75,7 @@ class KNNEstimator:
     ) -> KNNEstimator:
         X, Yz, mask = check_xy(X, Y)
         self.Z = self._z(X)
+        self._ZT = None
         self.Y = Yz.astype(np.float32)
         self.M = mask.astype(np.float32)
         W = bootstrap_weights(X.shape[0], n_replicates, seed)
@@ -67,14 +95,17 @@ class KNNEstimator:
         ):
             raise RuntimeError("KNNEstimator: fit() before predict")
         z = self._z(X)
-        sim = z @ self.Z.T  # [n, n_train]
-        k = min(self.k, sim.shape[1])
+        if self._ZT is None:
+            self._ZT = np.ascontiguousarray(self.Z.T)
+        neg = block_similarity(z, self._ZT)  # [n, n_train], negated in place below
+        np.negative(neg, out=neg)
+        k = min(self.k, neg.shape[1])
         idx = (
-            np.argpartition(-sim, k - 1, axis=1)[:, :k]
-            if k < sim.shape[1]
+            np.argpartition(neg, k - 1, axis=1)[:, :k]
+            if k < neg.shape[1]
             else np.tile(np.arange(k), (len(z), 1))
         )
-        s = np.maximum(np.take_along_axis(sim, idx, axis=1), 0.0) + 1e-3  # [n, k]
+        s = np.maximum(-np.take_along_axis(neg, idx, axis=1), 0.0) + 1e-3  # [n, k]
         w = self.W[:, idx] * s[None]  # [B, n, k]
         ym = self.Y[idx] * self.M[idx]  # [n, k, m]
         mk = self.M[idx]

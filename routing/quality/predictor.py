@@ -26,6 +26,7 @@ from routing.quality.calibration import conformal_kappa, coverage, nonconformity
 from routing.quality.gbdt import GBDTEstimator
 from routing.quality.irt import IRTEstimator
 from routing.quality.knn import KNNEstimator
+from routing.quality.memo import PredictionMemo, text_key
 from routing.quality.robustness import RobustSpec, Selection, select_robustness
 from routing.types import FloatArray, IntArray
 
@@ -98,8 +99,13 @@ class QualityPredictor:
     meta: dict[str, Any] = field(default_factory=dict)
     seen_text_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
     robust: RobustSpec | None = None  # None: the conformal bound at ``level`` (version-1 artefacts)
+    # texts whose predictions ``predict`` keeps (``memo.PredictionMemo``); 0: none kept
+    memo_size: int = 65_536
 
     def __post_init__(self) -> None:
+        if self.memo_size < 0:
+            raise ValueError(f"memo_size must be >= 0, got {self.memo_size}")
+        self._memo = PredictionMemo(self.memo_size, len(self.models)) if self.memo_size else None
         self.kappa = conformal_kappa(self.calibration_scores, self.level)
         if self.robust is None:
             self.robust = RobustSpec("conformal", kappa=self.kappa, level=self.level)
@@ -140,6 +146,7 @@ class QualityPredictor:
             meta=dict(self.meta),
             seen_text_hashes=self.seen_text_hashes,
             robust=spec,
+            memo_size=self.memo_size,
         )
 
     def seen(self, texts: Sequence[str]) -> npt.NDArray[np.bool_]:
@@ -171,7 +178,45 @@ class QualityPredictor:
         return out
 
     def predict(self, texts: Sequence[str]) -> QualityEstimate:
-        return self.predict_features(self.features(texts))
+        """``predict_features(features(texts))``; a text seen before (and still in the memo)
+        takes its memoised rows, equal bit for bit (``memo.py``), and a text twice in
+        ``texts`` is predicted once."""
+        memo = self._memo
+        if memo is None or not texts:
+            return self.predict_features(self.features(texts))
+        keys = [text_key(t) for t in texts]
+        slot = memo.lookup(keys)
+        miss = np.flatnonzero(slot < 0)
+        memo.hits += len(texts) - miss.size
+        memo.misses += miss.size
+        if miss.size == len(texts) and len(set(keys)) == len(keys):
+            est = self.predict_features(self.features(texts))
+            memo.store(keys, est.mean, est.lower, est.std)
+            return est
+        m = len(self.models)
+        mean, lower, std = (
+            np.empty((len(texts), m)),
+            np.empty((len(texts), m)),
+            np.empty((len(texts), m)),
+        )
+        hit = slot >= 0
+        mean[hit], lower[hit], std[hit] = (
+            memo.mean[slot[hit]],
+            memo.lower[slot[hit]],
+            memo.std[slot[hit]],
+        )
+        if miss.size:
+            first: dict[bytes, int] = {}  # a missing text's position among the unique ones
+            rows: list[int] = []
+            for i in miss.tolist():
+                if keys[i] not in first:
+                    first[keys[i]] = len(rows)
+                    rows.append(i)
+            est = self.predict_features(self.features([texts[i] for i in rows]))
+            at = np.fromiter((first[keys[i]] for i in miss.tolist()), np.int64, miss.size)
+            mean[miss], lower[miss], std[miss] = est.mean[at], est.lower[at], est.std[at]
+            memo.store(list(first), est.mean, est.lower, est.std)
+        return QualityEstimate(mean=mean, lower=lower, std=std)
 
     def bootstrap_lower(self, X: Float32Array) -> FloatArray:
         """Uncalibrated robust value: the (1 - level) quantile over bootstrap replicates."""

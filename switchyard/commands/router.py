@@ -88,9 +88,20 @@ def register(app: typer.Typer) -> None:
         rescue_lease_s: float = typer.Option(
             15.0, "--rescue-lease-s", help="A re-routing claim not renewed this long lapses"
         ),
+        blas_threads: int = typer.Option(
+            1,
+            "--blas-threads",
+            min=0,
+            help="numpy BLAS threads (the quality predictor's products); 0: BLAS's own "
+            "default. One by default: spare threads busy-wait on cores the broker and Redis share",
+        ),
         loglevel: str = typer.Option("WARNING", "--loglevel"),
     ) -> None:
         """Route queries from `queries` to `route.<instance>` in windows."""
+        if blas_threads:
+            from offline.blas import limit_blas_threads
+
+            limit_blas_threads(blas_threads)
         from schemas import ClusterConfig
         from streams.app import create_app, run
         from streams.metrics import RouterMetrics

@@ -88,6 +88,8 @@ class Proxy:
     def close(self) -> None:
         self._stop.set()
         with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not)
+        with contextlib.suppress(OSError):
             self._server.close()
         self.point(self.target)
 

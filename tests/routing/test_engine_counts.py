@@ -35,6 +35,23 @@ def test_the_view_holds_the_larger_of_the_two_counts() -> None:
     np.testing.assert_array_equal(more.predicted_output_tokens[3:], [100] * 4)
 
 
+def test_the_engine_kv_usage_sizes_the_running_rows_it_adds() -> None:
+    s = listed()  # listed rows hold 300 + 5 + 200 = 505 tokens
+    more = reconcile_engine_counts(s, 4, 1, engine_kv_usage=0.25, kv_capacity_tokens=10_000)
+    # 2,500 tokens in use, 1,995 of them unlisted, over the 2 added running rows
+    np.testing.assert_array_equal(more.prefilled_tokens[3:], [998, 998])
+    np.testing.assert_array_equal(more.prompt_tokens[3:], [998, 998])
+    capped = reconcile_engine_counts(
+        s, 3, 1, engine_kv_usage=0.9, kv_capacity_tokens=10_000, max_model_len=2048
+    )
+    assert int(capped.prompt_tokens[3]) == 2048
+    # usage below what the list holds (shared prefix blocks): the added row gets 1 token
+    low = reconcile_engine_counts(s, 3, 1, engine_kv_usage=0.01, kv_capacity_tokens=10_000)
+    assert int(low.prompt_tokens[3]) == 1
+    # no added running row: the usage changes nothing
+    assert reconcile_engine_counts(s, 2, 1, engine_kv_usage=0.9, kv_capacity_tokens=10_000) is s
+
+
 def test_an_empty_list_takes_the_defaults_and_the_engine_queue_delays_ttft() -> None:
     e = reconcile_engine_counts(InstanceState.empty(), 0, 5, default_output_tokens=64)
     assert e.n == 5 and (e.prefilled_tokens == 0).all()

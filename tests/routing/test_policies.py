@@ -324,6 +324,29 @@ def test_predictor_missing_a_cluster_model_is_a_clear_error() -> None:
         RouterContext(cluster(), Two())
 
 
+def test_a_model_reads_the_predictor_column_named_by_quality_as() -> None:
+    """A cluster model the predictor never saw reads a stand-in's column (``quality_as``):
+    the same decisions as the cluster that names the stand-in itself."""
+    from routing.policies.common import prepare
+
+    spec = cluster().model_dump(mode="json")
+    spec["models"][2].update(name="large-ft", quality_as="large")
+    spec["instances"] = [dict(i, model="large-ft") if i["model"] == "large" else i
+                         for i in spec["instances"]]  # fmt: skip
+    aliased = ClusterConfig.model_validate(spec)
+    ctx = RouterContext(aliased, FakeQuality(), FakeLength(), ttft=QueueTtft())
+    vs = [InstanceView(v.instance_id, "large-ft" if v.model == "large" else v.model, v.state,
+                       free_slots=v.free_slots) for v in views([0, 0, 0, 0], [4, 4, 4, 4])]  # fmt: skip
+    qs = queries([100, 200, 300])
+    win, plain = prepare(ctx, qs, vs, 0.0), prepare(context(), qs, views([0, 0, 0, 0], [4] * 4), 0.0)
+    np.testing.assert_array_equal(win.quality_mean, plain.quality_mean)
+    np.testing.assert_array_equal(win.output_tokens, plain.output_tokens)
+    assert win.usable.all()
+    spec["models"][2]["quality_as"] = "huge"
+    with pytest.raises(ValueError, match=r"no column for models \['large-ft'\].*quality_as"):
+        RouterContext(ClusterConfig.model_validate(spec), FakeQuality())
+
+
 def test_default_policy_with_real_sfs_estimator() -> None:
     pytest.importorskip("routing.sfs")
     from routing.steptime import StepTimeModel

@@ -47,6 +47,9 @@ class Live:
     slots_used: int
     alive: bool
     age_s: float
+    engine_running: int | None = None
+    engine_waiting: int | None = None
+    engine_kv_usage: float | None = None
 
 
 def snap(iid: str, taken_at: float, n: int = 2) -> InstanceSnapshot:
@@ -106,18 +109,27 @@ def test_window_budget_is_min_of_remaining_and_allowance() -> None:
     assert overspent.tenant_remaining_usd["a"] == 0.0 and overspent.window_usd == 0.0
 
 
-@dataclass
-class LiveWithEngine(Live):
-    engine_running: int | None = None
-    engine_waiting: int | None = None
-
-
 def test_a_view_holds_the_engine_counts_the_worker_did_not_list() -> None:
-    live = {"s0": LiveWithEngine(snap("s0", 99.0, n=2), 2, True, 1.0, 3, 4),
-            "s1": LiveWithEngine(snap("s1", 99.0, n=2), 2, True, 1.0, None, None)}  # fmt: skip
+    live = {"s0": Live(snap("s0", 99.0, n=2), 2, True, 1.0, 3, 4),
+            "s1": Live(snap("s1", 99.0, n=2), 2, True, 1.0, None, None)}  # fmt: skip
     views, _ = instance_views(CLUSTER, live, now=100.0, stale_after_s=5.0)
     by = {v.instance_id: v for v in views}
     s0, s1 = by["s0"].state, by["s1"].state
     assert s0 is not None and s1 is not None
     assert s0.n == 7 and int((s0.prefilled_tokens > 0).sum()) == 3
     assert s1.n == 2
+
+
+def test_the_engine_kv_usage_sizes_the_requests_the_worker_did_not_list() -> None:
+    """One unlisted running request and the engine's KV half full: the added row holds the
+    half the listed rows do not (the cluster's kv_blocks x block size), not a typical prompt."""
+    model = CLUSTER.model(CLUSTER.instances[0].model)
+    capacity = model.scheduler.kv_blocks * model.scheduler.block_size_tokens
+    s = snap("s0", 99.0, n=2)
+    live = {"s0": Live(s, 2, True, 1.0, 3, 0, 0.5), "s1": Live(snap("s1", 99.0, n=2), 2, True, 1.0, 3, 0)}
+    by = {v.instance_id: v.state for v in instance_views(CLUSTER, live, 100.0, 5.0)[0]}
+    with_kv, without = by["s0"], by["s1"]
+    assert with_kv is not None and without is not None and with_kv.n == without.n == 3
+    listed = int(with_kv.prefilled_tokens[:2].sum() + with_kv.decoded_tokens[:2].sum())
+    assert int(with_kv.prefilled_tokens[2]) == round(0.5 * capacity - listed)
+    assert int(without.prefilled_tokens[2]) == int(round(without.prompt_tokens[:2].mean()))

@@ -1,6 +1,7 @@
 """End to end on two REAL vLLM servers (CPU build, random weights): router → workers → vLLM.
 
-Kafka, Redis, ``switchyard router`` (the test spread policy), one ``switchyard worker
+Kafka, Redis, ``switchyard router`` (the default policy, batch-ilp-sfs, with the default
+quality predictor read through each model's ``quality_as``), one ``switchyard worker
 --backend vllm`` per instance of ``configs/clusters/real-vllm-cpu.yaml`` and one ``vllm
 serve`` per instance (``switchyard.vllm_servers``). 240 queries, completions and chat, prompt
 lengths from the Azure LLM 2023 conversation trace (its first 240 rows), scaled so the longest
@@ -8,6 +9,10 @@ is ~600 tokens (below both servers' ``max_model_len``): exactly one Result each,
 measured, token counts from vLLM's usage chunk, cost from usage. A prompt past the context
 window (its producer under-declares ``prompt_tokens``, so the router routes it) comes back as
 an error Result carrying vLLM's 400 message. Also: the real ``openai`` SDK against a server.
+
+Workers against the real servers: one configured for the other model refuses to start
+(exit 1, no heartbeat), and one whose server is frozen (SIGSTOP) drops its instance from
+the live set within a heartbeat and a health-probe timeout, and is back once it answers.
 
 Slow (servers take ~35-180 s to load); ``make test`` runs this module last (marker ``vllm``).
 """
@@ -18,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import time
 import uuid
@@ -31,8 +37,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from schemas import ClusterConfig, Result
 from sim.traffic import load_trace
 from state import StateStore
-from switchyard import vllm_servers
-from switchyard.processes import ProcessGroup
+from switchyard import services, vllm_servers
+from switchyard.processes import Child, ProcessGroup
 from wiring import topics
 from wiring.paths import vendored_data
 
@@ -43,8 +49,13 @@ WORDS = "the train leaves the yard at noon and every car is sorted by its track"
 
 
 @pytest.fixture(scope="module")
-def real_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterConfig]:
-    home = tmp_path_factory.mktemp("vllm-home")
+def vllm_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-home")
+
+
+@pytest.fixture(scope="module")
+def real_servers(vllm_home: Path) -> Iterator[ClusterConfig]:
+    home = vllm_home
     cluster = ClusterConfig.from_file(vllm_servers.DEFAULT_CLUSTER)
     records = vllm_servers.vllm_up(cluster, home=home, free_ports=True)
     try:
@@ -108,8 +119,11 @@ async def test_router_workers_real_vllm(
     try:
         router = procs.switchyard(
             "router",
-            "router", "--cluster", str(cluster_file), "--policy", "tests.streams.fake_router:factory",
+            "router", "--cluster", str(cluster_file),  # the default policy, batch-ilp-sfs
             "--window-ms", "50", "--from", "latest", "--app-id", f"router-{rid}",
+            # 240 at once on 24 slots of two one-thread engines: on a loaded machine the last
+            # ones wait minutes for a slot (held, not given up; their SLO is as long)
+            "--max-hold-s", "300",
         )  # fmt: skip
         await asyncio.to_thread(procs.wait_for_line, router, "assigned queries partitions", 90)
         for iid in ids:
@@ -134,7 +148,7 @@ async def test_router_workers_real_vllm(
             qid = f"{rid}-q{i}"
             text = f"q{i}: " + _prompt(rng, n_words)
             body: dict[str, object] = {"id": qid, "max_tokens": 8, "created_at": time.time(),
-                                       "ttft_slo_ms": 60_000}  # fmt: skip
+                                       "ttft_slo_ms": 300_000}  # fmt: skip
             if i % 2:
                 body["messages"] = [{"role": "user", "content": text}]
             else:
@@ -142,7 +156,7 @@ async def test_router_workers_real_vllm(
             bodies[qid] = body
         too_long = f"{rid}-long"  # ~3,000 real tokens, declared as 50
         bodies[too_long] = {"id": too_long, "prompt": _prompt(rng, 3000), "prompt_tokens": 50,
-                            "max_tokens": 8, "ttft_slo_ms": 60_000}  # fmt: skip
+                            "max_tokens": 8, "ttft_slo_ms": 300_000}  # fmt: skip
         producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
         await producer.start()
         t0 = time.time()
@@ -195,5 +209,72 @@ async def test_router_workers_real_vllm(
             f"{min(r.prompt_tokens for r in by_id.values())}-{max(r.prompt_tokens for r in by_id.values())}"
         )
     finally:
+        procs.stop_all()
+        await store.close()
+
+
+async def test_workers_refuse_another_model_and_follow_a_frozen_engine(
+    real_servers: ClusterConfig, vllm_home: Path, kafka_bootstrap: str, redis_url: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    rid = "f" + uuid.uuid4().hex[:6]
+    wide, narrow = real_servers.instances[0], real_servers.instances[1]
+    assert wide.model != narrow.model
+    spec = real_servers.model_dump(mode="json", exclude_none=True)
+    spec["instances"] = [
+        {"id": f"{rid}-wrong", "model": narrow.model, "endpoint": wide.endpoint},  # wide's server
+        {"id": f"{rid}-wide", "model": wide.model, "endpoint": wide.endpoint},
+    ]
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(spec))
+    ns = f"t{rid}"
+    env = dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
+               SWITCHYARD_NAMESPACE=ns)  # fmt: skip
+    procs = ProcessGroup(tmp_path / "logs", env=env)
+    store = await StateStore.connect(redis_url, namespace=ns)
+    server = services.load_records(vllm_home)[vllm_servers.RECORD_PREFIX + wide.id]
+    heartbeat_s = 0.5
+
+    async def alive(iid: str) -> bool:
+        return (await store.snapshots([iid], time.time()))[iid].alive
+
+    def worker(iid: str) -> Child:
+        return procs.switchyard(
+            f"worker-{iid}",
+            "worker", "--instance", iid, "--cluster", str(cluster_file), "--backend", "vllm",
+            "--heartbeat-s", str(heartbeat_s), "--log-level", "WARNING",
+        )  # fmt: skip
+
+    frozen = False
+    try:
+        wrong, good = worker(f"{rid}-wrong"), worker(f"{rid}-wide")
+        async with asyncio.timeout(90):
+            while wrong.alive() or not await alive(f"{rid}-wide"):
+                await asyncio.sleep(0.2)
+        assert wrong.proc.returncode == 1, wrong.tail()
+        said = wrong.tail()
+        assert "refuses to start" in said and wide.model in said and narrow.model in said, said
+        assert not await alive(f"{rid}-wrong")
+
+        os.killpg(server.pid, signal.SIGSTOP)
+        frozen, t0 = True, time.monotonic()
+        async with asyncio.timeout(20):
+            while await alive(f"{rid}-wide"):
+                await asyncio.sleep(0.05)
+        down_s = time.monotonic() - t0
+        os.killpg(server.pid, signal.SIGCONT)
+        frozen, t1 = False, time.monotonic()
+        async with asyncio.timeout(30):
+            while not await alive(f"{rid}-wide"):
+                await asyncio.sleep(0.05)
+        back_s = time.monotonic() - t1
+        assert good.alive(), good.tail()
+        print(f"real vLLM frozen: instance out of the live set after {down_s:.2f} s, "
+              f"back {back_s:.2f} s after it answered again")  # fmt: skip
+        # a heartbeat interval plus the health probe's 1 s timeout, with room for a loaded CI
+        assert down_s < heartbeat_s + 1.0 + 3.0
+    finally:
+        if frozen:
+            os.killpg(server.pid, signal.SIGCONT)
         procs.stop_all()
         await store.close()

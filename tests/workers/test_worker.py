@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
 
 from schemas import (
     ClusterConfig,
@@ -142,7 +143,15 @@ async def running(worker: Worker) -> AsyncIterator[asyncio.Event]:
         yield stop
     finally:
         stop.set()
-        await task
+        await asyncio.wait_for(task, 60)  # a worker must stop once asked, never hang the test
+
+
+def _sim_worker(env: dict[str, Any], iid: str, **config: Any) -> Worker:
+    """A worker of one ``tiny`` instance on the sim backend (twice real time)."""
+    cluster = _cluster(iid)
+    backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
+    cfg = WorkerConfig(instance_id=iid, heartbeat_s=0.1, **config)
+    return Worker(cfg, cluster, backend, env["settings"], env["state"])
 
 
 async def _read_topic(
@@ -493,15 +502,7 @@ async def test_worker_consumes_its_route_topic_when_it_appears_after_the_group_j
         return await real_ensure(kafka_kwargs, [n for n in names if n != route], *a, **kw)
 
     monkeypatch.setattr(kafka_admin, "ensure_topics", all_but_the_route)
-    cluster = _cluster(iid)
-    backend = SimBackend(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
-    worker = Worker(
-        WorkerConfig(instance_id=iid, heartbeat_s=0.1),
-        cluster,
-        backend,
-        env["settings"],
-        env["state"],
-    )
+    worker = _sim_worker(env, iid)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
@@ -520,7 +521,7 @@ async def test_worker_consumes_its_route_topic_when_it_appears_after_the_group_j
         result = await client.result(rq.query.id, timeout_s=30)
     finally:
         stop.set()
-        await task
+        await asyncio.wait_for(task, 60)
     assert result.error is None and worker.started.is_set()
 
 
@@ -528,3 +529,67 @@ def _generation(worker: Worker) -> int:
     """The worker's consumer-group generation (-1 until its group has been joined)."""
     coordinator = getattr(worker._consumer, "_coordinator", None)
     return int(getattr(coordinator, "generation", -1))
+
+
+async def test_a_worker_stops_promptly_while_its_group_join_is_stalled(env: dict[str, Any]) -> None:
+    """aiokafka's ``getmany`` waits, with no bound, while a rebalance is in progress. A member
+    of the worker's group that is slow to give up its partition (its revoke callback sleeps)
+    holds the worker's join for as long; the worker still sees ``stop`` within its poll
+    bound, says the join is stalled, and shuts down (two CI runs hung 300 s before)."""
+    iid = "stall-" + uuid.uuid4().hex[:8]
+    route = topics.route(iid)
+    bootstrap = env["settings"].kafka
+    await kafka_admin.ensure_topics({"bootstrap_servers": bootstrap}, [route])
+    release = asyncio.Event()
+
+    class SlowToLetGo(ConsumerRebalanceListener):  # type: ignore[misc]
+        async def on_partitions_revoked(self, revoked: Any) -> None:
+            if revoked:
+                await asyncio.wait_for(release.wait(), 60)
+
+        async def on_partitions_assigned(self, assigned: Any) -> None:
+            return None
+
+    holder = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=topics.worker_group(iid),
+        enable_auto_commit=False,
+        rebalance_timeout_ms=60_000,  # the broker waits this long for the holder to rejoin
+    )
+    await holder.start()
+    holder.subscribe([route], listener=SlowToLetGo())
+    poller: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None
+    try:
+        async with asyncio.timeout(30):
+            while not holder.assignment():
+                await holder.getmany(timeout_ms=100)
+
+        async def keep_polling() -> None:
+            while True:
+                await holder.getmany(timeout_ms=100)
+
+        poller = asyncio.create_task(keep_polling())
+        worker = _sim_worker(env, iid, group_stall_warn_s=2.0, commit_timeout_s=3.0)
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        async with asyncio.timeout(30):
+            while worker.metrics.errors("group_join") < 1:  # the join is held by the holder
+                if task.done():
+                    await task
+                await asyncio.sleep(0.1)
+        assert not worker.started.is_set()
+        stop.set()
+        t0 = time.monotonic()
+        await asyncio.wait_for(task, 20)
+        # poll bound (1 s) + the consumer's bounded stop (3 s) + the rest of shutdown
+        assert time.monotonic() - t0 < 8.0
+    finally:
+        release.set()
+        if task is not None and not task.done():
+            task.cancel()
+        if poller is not None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+        await holder.stop()
