@@ -27,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas import InstanceSnapshot, ResidentRequest
+from schemas import InstanceSnapshot, ResidentRequest, StepTimeCoefficients
 from state.cluster import (
     StateConfigError,
     check_cluster,
@@ -64,6 +64,7 @@ SCRIPTS = (
     "ledger_mark",
     "ledger_rebuild",
     "claim",
+    "step_time",
 )
 LEDGER_REBUILD_CHUNK = 1000  # query ids per ledger_rebuild call: Redis never blocks long
 TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
@@ -99,6 +100,24 @@ class InstanceLive:
 
     def free_slots(self, max_slots: int) -> int:
         return max(0, max_slots - self.slots_used)
+
+
+@dataclass(frozen=True)
+class LiveStepTime:
+    """One model's Eq. 9 coefficients as its workers refit them online
+    (``routing.recalibration``): the last write wins; ``version`` counts the writes."""
+
+    model: str
+    coefficients: StepTimeCoefficients
+    version: int
+    at: float  # unix seconds of the write
+    rows: int  # observations in the writer's window
+    instance_id: str  # the worker that wrote it
+    fit_mape: float | None = None  # the fit's error on its rows (a fraction)
+    ttft_error: float | None = None  # the writer's recent |predicted - measured| / measured
+
+    def age_s(self, now: float) -> float:
+        return max(0.0, now - self.at)
 
 
 @dataclass(frozen=True)
@@ -354,10 +373,14 @@ class StateStore:
             ) from exc
 
     async def _script_many(
-        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+        self,
+        name: str,
+        calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        extra: Sequence[tuple[str, ...]] = (),
     ) -> list[Any]:
         """One script over many key sets in one pipelined round trip (EVALSHA; loads it once
-        if the server lost it, e.g. after a restart)."""
+        if the server lost it, e.g. after a restart); ``extra`` plain commands (a command
+        name and its key first) ride in the same round trip, their replies last."""
         script = self._scripts[name]
         for attempt in (0, 1):
             pipe: Pipeline = self._r.pipeline(transaction=False)
@@ -365,6 +388,8 @@ class StateStore:
                 # execute_command, not evalsha(): redis-py's cluster pipeline blocks the
                 # helper but routes the raw command by its first key's slot
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for command in extra:
+                pipe.execute_command(*command)
             try:
                 return cast(list[Any], await self._call(name, pipe.execute()))
             except NoScriptError:
@@ -517,13 +542,24 @@ class StateStore:
 
     async def snapshots(self, instance_ids: Sequence[str], now: float) -> dict[str, InstanceLive]:
         """Every instance's live state in one pipelined round trip."""
+        live, _ = await self.snapshots_and_step_times(instance_ids, (), now)
+        return live
+
+    async def snapshots_and_step_times(
+        self, instance_ids: Sequence[str], models: Sequence[str], now: float
+    ) -> tuple[dict[str, InstanceLive], dict[str, LiveStepTime]]:
+        """Every instance's live state and the online step-time coefficients of ``models``
+        (those with a record), in one pipelined round trip."""
         k = self.keys
         ids = list(dict.fromkeys(instance_ids))
+        names = list(dict.fromkeys(models))
         replies = await self._script_many(
-            "snapshot", [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids]
+            "snapshot",
+            [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids],
+            extra=[("HGETALL", k.step_time(m)) for m in names],
         )
         out: dict[str, InstanceLive] = {}
-        for iid, (hb_blob, res_blob, slots) in zip(ids, replies, strict=True):
+        for iid, (hb_blob, res_blob, slots) in zip(ids, replies[: len(ids)], strict=True):
             hb = _pairs(hb_blob)
             res = _pairs(res_blob)
             slots_used = int(slots)
@@ -550,7 +586,13 @@ class StateStore:
                 engine_waiting=_opt_int(hb.get("engine_waiting")),
                 engine_kv_usage=_opt_float(hb.get("engine_kv_usage")),
             )
-        return out
+        steps: dict[str, LiveStepTime] = {}
+        for m, raw in zip(names, replies[len(ids) :], strict=True):
+            rec = _live_step_time(m, raw)
+            if rec is not None:
+                steps[m] = rec
+        return out, steps
+
 
     def _residents_cached(self, instance_id: str, raw: Mapping[str, str]) -> list[ResidentRequest]:
         """Parse residents, reusing the (frozen) objects whose record did not change since the
@@ -1062,6 +1104,44 @@ class StateStore:
 
     # ------------------------------------------------------------------ maintenance
 
+    async def step_time_publish(
+        self,
+        model: str,
+        coefficients: StepTimeCoefficients,
+        *,
+        rows: int,
+        instance_id: str,
+        ttl_s: float,
+        fit_mape: float | None = None,
+        ttft_error: float | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Publish ``model``'s online-refitted Eq. 9 coefficients; returns their version.
+        Without a new write for ``ttl_s`` the record expires (routers fall back to the
+        configured coefficients)."""
+        c = coefficients
+
+        def opt(v: float | None) -> str:
+            return "" if v is None or not math.isfinite(v) else repr(float(v))
+
+        version = await self._script(
+            "step_time",
+            [self.keys.step_time(model)],
+            [
+                repr(c.c0_ms),
+                repr(c.c1_ms_per_token),
+                repr(c.c2_ms_per_ctx_token),
+                repr(c.c3_ms_per_attn_unit),
+                repr(time.time() if now is None else now),
+                _count(rows, "rows"),
+                opt(fit_mape),
+                opt(ttft_error),
+                self.keys.check_instance_id(instance_id),
+                _seconds_ms(ttl_s, "step-time ttl_s"),
+            ],
+        )
+        return int(version)
+
     async def instance_down(self, instance_id: str) -> None:
         """Drop the heartbeat now (a worker stopping cleanly): routers see it dead at once."""
         await self._call("instance_down", self._r.delete(self.keys.heartbeat(instance_id)))
@@ -1079,6 +1159,31 @@ def _opt_float(value: str | None) -> float | None:
     except ValueError:
         return None
     return f if math.isfinite(f) else None
+
+
+def _live_step_time(model: str, raw: Mapping[str, str] | None) -> LiveStepTime | None:
+    """A step-time record; None when missing or malformed (the configured ones apply)."""
+    if not raw:
+        return None
+    try:
+        coef = StepTimeCoefficients(
+            c0_ms=float(raw["c0_ms"]),
+            c1_ms_per_token=float(raw["c1_ms_per_token"]),
+            c2_ms_per_ctx_token=float(raw["c2_ms_per_ctx_token"]),
+            c3_ms_per_attn_unit=float(raw["c3_ms_per_attn_unit"]),
+        )
+        return LiveStepTime(
+            model=model,
+            coefficients=coef,
+            version=int(raw.get("version", "0")),
+            at=float(raw["at"]),
+            rows=int(raw.get("rows", "0")),
+            instance_id=str(raw.get("instance", "")),
+            fit_mape=_opt_float(raw.get("fit_mape")),
+            ttft_error=_opt_float(raw.get("ttft_error")),
+        )
+    except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
+        return None
 
 
 def _pairs(blob: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from schemas import ResidentRequest
+from schemas import ResidentRequest, StepTimeCoefficients
 from state import NANO_PER_USD, ResultMark, RouteIntent, StateStore, StateUnavailable, period_id
 
 pytestmark = pytest.mark.integration
@@ -416,10 +416,12 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
         seen.append((name, tags(list(keys))))
         return await orig_script(name, keys, args)
 
-    async def many(name: str, calls: Any) -> Any:
+    async def many(name: str, calls: Any, extra: Any = ()) -> Any:
         for keys, _ in calls:
             seen.append((name, tags(list(keys))))
-        return await orig_many(name, calls)
+        for command in extra:  # plain commands in the same pipeline: one key each
+            seen.append((command[0], tags([command[1]])))
+        return await orig_many(name, calls, extra)
 
     monkeypatch.setattr(s, "_script", script)
     monkeypatch.setattr(s, "_script_many", many)
@@ -437,10 +439,15 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
     await s.dedupe_many([(f"d{i}", "ab" * 32) for i in range(50)], 60)
     await s.mark_intent_many({f"d{i}": RouteIntent("i", "{}") for i in range(50)})
     await s.mark_routed_many({f"d{i}": "i" for i in range(50)})
+    await s.step_time_publish("m", StepTimeCoefficients(
+        c0_ms=1.0, c1_ms_per_token=0.1, c2_ms_per_ctx_token=0.0, c3_ms_per_attn_unit=0.0
+    ), rows=8, instance_id="i", ttl_s=60.0)  # fmt: skip
+    await s.snapshots_and_step_times(["i"], ["m", "n"], 0.0)
     names = {name for name, _ in seen}
     assert names >= {"heartbeat", "resident_add", "resident_progress", "resident_done", "snapshot",
                      "reserve_slots", "reserve_budget", "release_budget", "settle", "dedupe",
-                     "mark_routed", "mark_intent", "residents_reconcile"}  # fmt: skip
+                     "mark_routed", "mark_intent", "residents_reconcile", "step_time",
+                     "HGETALL"}  # fmt: skip
     bad = [(name, t) for name, t in seen if len(t) != 1]
     assert not bad, f"script calls spanning several hash slots: {bad}"
 
