@@ -425,3 +425,24 @@ def test_instance_of_an_unknown_model_is_never_used() -> None:
         ds = make_router(name, context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
         assert all(d.instance_id != "x0" for d in ds), name
         assert all(d.status == DecisionStatus.ROUTED for d in ds), name
+
+
+def test_policy_options_parse_resolve_and_name_mistakes() -> None:
+    from routing.policies import effective_options, parse_options
+
+    opts = parse_options(["delta=0.1", "robust=false", "method=greedy", "max-ttft-rounds=2",
+                          "deadline_ms=none"])  # fmt: skip
+    assert opts == {"delta": 0.1, "robust": False, "method": "greedy", "max_ttft_rounds": 2,
+                    "deadline_ms": None}  # fmt: skip
+    for bad in (["delta"], ["=1"], ["2x=1"]):
+        with pytest.raises(ValueError, match="is not key=value"):
+            parse_options(bad)
+    with pytest.raises(ValueError, match="not finite"):
+        parse_options(["delta=nan"])
+    eff = effective_options("batch-ilp-sfs", gap_tol=0.01)
+    assert eff["gap_tol"] == 0.01 and eff["delta"] == 0.05 and eff["method"] == "fast"
+    assert effective_options("round-robin") == {}
+    with pytest.raises(ValueError, match=r"no option deltaa; it has .*delta"):
+        effective_options("latency-aware", deltaa=0.1)
+    # the options reach the policy
+    assert make_router("latency-aware", context(), **parse_options(["delta=0.3"])).inner.delta == 0.3  # type: ignore[attr-defined]
