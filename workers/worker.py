@@ -133,7 +133,9 @@ class WorkerConfig:
                 f"WorkerConfig.finish_retry_s must be within 0-600 s, got {self.finish_retry_s!r}"
             )
         if not self.poll_bound_s >= 0.2:
-            raise ValueError(f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}")
+            raise ValueError(
+                f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}"
+            )
         if not 0.1 <= self.step_time_refit_s <= 3600.0:
             raise ValueError(
                 f"WorkerConfig.step_time_refit_s must be within 0.1-3600 s, "
@@ -420,7 +422,9 @@ class Worker:
             if self._stalled_since is None:
                 self._stalled_since = now
                 self._stall_said = False
-            elif now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said:
+            elif (
+                now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said
+            ):
                 self._stall_said = True
                 self.metrics.error("group_join")
                 log.warning(
@@ -844,6 +848,7 @@ class Worker:
                     q.id,
                     gen.engine_ttft_ms if ok and gen is not None else None,
                     gen.first_token_at if ok and gen is not None else None,
+                    gen.prompt_tokens if ok and gen is not None and gen.usage_reported else None,
                 )
 
     def _result(self, rq: RoutedQuery, gen: Generation, received: float, attempt: int) -> Result:
