@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from routing.steptime import StepTimeModel
 from schemas import Decision, InstanceSnapshot, Query
 
 IntArray = npt.NDArray[np.int64]
@@ -76,6 +77,8 @@ class InstanceView:
     ``state`` is None when there is no trustworthy live state (cloud endpoint, stale or
     missing snapshot): routers then use the LPS average case and flag the decision.
     ``prefix_hashes``: what its prefix cache holds (the router's model of it), for hits.
+    ``step_time``: the model's Eq. 9 coefficients as the workers refit them online
+    (``routing.recalibration``, read from Redis with the snapshot); None: the configured ones.
     """
 
     instance_id: str
@@ -87,6 +90,7 @@ class InstanceView:
     stale: bool = False
     # prefix block hashes the instance's cache holds, sorted (routing.prefix); None: unknown
     prefix_hashes: npt.NDArray[np.uint64] | None = None
+    step_time: StepTimeModel | None = None
 
 
 @dataclass(frozen=True)

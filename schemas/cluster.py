@@ -62,6 +62,15 @@ class ModelSpec(BaseModel):
     # The engine's context window (vLLM ``--max-model-len``): prompt + output tokens of one
     # request must fit in it. None: not known (no length check against the model).
     max_model_len: int | None = Field(default=None, ge=1, le=16_777_216)
+    # The predictor column this model's quality and output length are read from, when the
+    # predictor was not trained on this model: a stand-in of its tier (a new fine-tune, a
+    # renamed deployment, the random-weight CPU models of real-vllm-cpu.yaml). None: ``name``.
+    quality_as: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @property
+    def predictor_key(self) -> str:
+        """The name the quality and length predictors know this model by."""
+        return self.quality_as or self.name
 
     def context_tokens(self) -> int:
         """The most tokens (prompt + output) one request can hold on an instance of this

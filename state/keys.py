@@ -32,6 +32,10 @@ key                                    type    holds
 ``sy:result:{<query>}``                string  once a result was published: its cost in nano-USD
                                                ("-" when unknown); TTL
 ``sy:attempt:{<query>}``               string  how many times a worker started the query; TTL
+``sy:steptime:{<model>}``              hash    the model's Eq. 9 coefficients refitted online
+                                               (c0_ms … c3_ms_per_attn_unit), version, at,
+                                               rows, fit_mape, ttft_error, instance; TTL.
+                                               ``<model>`` percent-encoded (no braces)
 =====================================  ======  =================================================
 """
 
@@ -40,6 +44,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from schemas.cluster import INSTANCE_ID_PATTERN
 from schemas.query import QUERY_ID_PATTERN, TENANT_PATTERN
@@ -111,6 +116,14 @@ class Keys:
         base = f"{self.namespace}:ledger:{{epoch}}"
         return f"{base}:mark", f"{base}:lease"
 
+    # per model
+    def step_time(self, model: str) -> str:
+        """Online-refitted Eq. 9 coefficients of ``model`` (any model name: percent-encoded,
+        so braces cannot form a hash tag)."""
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model name {model!r} must be a non-empty string")
+        return f"{self.namespace}:steptime:{{{quote(model, safe='-_.@:')}}}"
+
     # per query
     def dedupe(self, query_id: str) -> str:
         return f"{self.namespace}:dedupe:{{d{dedupe_bucket(query_id):02d}}}:{query_id}"
@@ -123,3 +136,6 @@ class Keys:
 
     def check_query_id(self, query_id: str) -> str:
         return _check(_QUERY, query_id, "query id")
+
+    def check_instance_id(self, instance_id: str) -> str:
+        return _check(_INSTANCE, instance_id, "instance id")

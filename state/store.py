@@ -14,20 +14,32 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal, TypeVar, cast
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas import InstanceSnapshot, ResidentRequest
+from schemas import InstanceSnapshot, ResidentRequest, StepTimeCoefficients
 from state.cluster import (
     StateConfigError,
     check_cluster,
@@ -64,6 +76,8 @@ SCRIPTS = (
     "ledger_mark",
     "ledger_rebuild",
     "claim",
+    "attempt",
+    "step_time",
 )
 LEDGER_REBUILD_CHUNK = 1000  # query ids per ledger_rebuild call: Redis never blocks long
 TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
@@ -75,6 +89,59 @@ CLAIM_TTL_S = 7 * 86_400.0  # as long as a result mark: a copy can wait that lon
 
 class StateUnavailable(RuntimeError):
     """Redis could not be reached or timed out; callers fall back (LPS estimates, blind budget)."""
+
+
+# What a Redis (Cluster) that is not serving right now answers; each goes away by itself:
+# the node is unreachable or timed out; a failover is under way (CLUSTERDOWN, MASTERDOWN,
+# TRYAGAIN, a slot no primary serves yet, redirections that do not settle: ClusterError
+# "TTL exhausted"); a write reached a primary demoted to a replica (READONLY); a node still
+# loading its AOF (LOADING, a ConnectionError in redis-py); a primary that refuses writes
+# under ``min-replicas-to-write`` until a replica is back (NOREPLICAS). Each is a
+# ``StateUnavailable``, so routers route blind and workers skip best-effort writes, as for
+# a Redis that is down. Before, only the first kind was: during a Redis Cluster failover
+# the others reached a worker as failures of the message's own, and lost queries
+# (docs/reliability.md, bug 19).
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterError,  # ClusterDownError, MasterDownError, "TTL exhausted"
+    TryAgainError,
+    SlotNotCoveredError,
+    ReadOnlyError,
+    AskError,  # MovedError too: a redirection the client could not follow
+)
+
+
+_REDIS_PY = os.path.dirname(redis.__file__)
+
+
+def unavailable(exc: BaseException, *, cluster: bool = False) -> bool:
+    """True for an error that means Redis is not serving right now (``UNAVAILABLE_ERRORS``,
+    or redis-py's "cannot be connected" after a failed re-discovery of the cluster).
+
+    ``cluster``: the error came out of a call of redis-py's cluster client. On CLUSTERDOWN
+    that client closes every connection of the cluster, also those other tasks are using,
+    which then fail inside redis-py with ``AttributeError`` (``'NoneType' object has no
+    attribute 'writelines'``) or ``RuntimeError``; raised from redis-py's own code, those
+    are the failover too (seen in scenario 15)."""
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        return True
+    if cluster and isinstance(exc, AttributeError | RuntimeError) and _raised_in_redis_py(exc):
+        return True
+    if isinstance(exc, ResponseError) and str(exc).startswith("NOREPLICAS"):
+        return True  # a primary under ``min-replicas-to-write`` without its replicas
+    return isinstance(exc, RedisClusterException) and isinstance(exc.__cause__, UNAVAILABLE_ERRORS)
+
+
+def _raised_in_redis_py(exc: BaseException) -> bool:
+    """True when a frame of redis-py's own code is on ``exc``'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 @dataclass(frozen=True)
@@ -99,6 +166,24 @@ class InstanceLive:
 
     def free_slots(self, max_slots: int) -> int:
         return max(0, max_slots - self.slots_used)
+
+
+@dataclass(frozen=True)
+class LiveStepTime:
+    """One model's Eq. 9 coefficients as its workers refit them online
+    (``routing.recalibration``): the last write wins; ``version`` counts the writes."""
+
+    model: str
+    coefficients: StepTimeCoefficients
+    version: int
+    at: float  # unix seconds of the write
+    rows: int  # observations in the writer's window
+    instance_id: str  # the worker that wrote it
+    fit_mape: float | None = None  # the fit's error on its rows (a fraction)
+    ttft_error: float | None = None  # the writer's recent |predicted - measured| / measured
+
+    def age_s(self, now: float) -> float:
+        return max(0.0, now - self.at)
 
 
 @dataclass(frozen=True)
@@ -255,6 +340,7 @@ class StateStore:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, display_url: str) -> None:
         self._r = client
+        self._cluster = is_cluster_client(client)
         self.keys = keys
         self.display_url = display_url
         self._snap_cache: dict[str, dict[str, tuple[str, ResidentRequest]]] = {}
@@ -348,16 +434,33 @@ class StateStore:
                 async with self._gate:
                     return await awaitable
             return await awaitable
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except Exception as exc:
+            if isinstance(exc, StateConfigError) or not unavailable(
+                exc, cluster=self._cluster
+            ):
+                raise
             raise StateUnavailable(
-                f"Redis at {self.display_url} unavailable during {op}: {exc}"
+                f"Redis at {self.display_url} unavailable during {op}: {type(exc).__name__}: {exc}"
             ) from exc
 
+    def _raise_reply(self, op: str, reply: BaseException) -> None:
+        """Raise an error reply of a ``raise_on_error=False`` pipeline as ``_call`` would."""
+        if unavailable(reply, cluster=self._cluster):
+            raise StateUnavailable(
+                f"Redis at {self.display_url} unavailable during {op}: "
+                f"{type(reply).__name__}: {reply}"
+            ) from reply
+        raise reply
+
     async def _script_many(
-        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+        self,
+        name: str,
+        calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        extra: Sequence[tuple[str, ...]] = (),
     ) -> list[Any]:
         """One script over many key sets in one pipelined round trip (EVALSHA; loads it once
-        if the server lost it, e.g. after a restart)."""
+        if the server lost it, e.g. after a restart); ``extra`` plain commands (a command
+        name and its key first) ride in the same round trip, their replies last."""
         script = self._scripts[name]
         for attempt in (0, 1):
             pipe: Pipeline = self._r.pipeline(transaction=False)
@@ -365,6 +468,8 @@ class StateStore:
                 # execute_command, not evalsha(): redis-py's cluster pipeline blocks the
                 # helper but routes the raw command by its first key's slot
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for command in extra:
+                pipe.execute_command(*command)
             try:
                 return cast(list[Any], await self._call(name, pipe.execute()))
             except NoScriptError:
@@ -517,13 +622,24 @@ class StateStore:
 
     async def snapshots(self, instance_ids: Sequence[str], now: float) -> dict[str, InstanceLive]:
         """Every instance's live state in one pipelined round trip."""
+        live, _ = await self.snapshots_and_step_times(instance_ids, (), now)
+        return live
+
+    async def snapshots_and_step_times(
+        self, instance_ids: Sequence[str], models: Sequence[str], now: float
+    ) -> tuple[dict[str, InstanceLive], dict[str, LiveStepTime]]:
+        """Every instance's live state and the online step-time coefficients of ``models``
+        (those with a record), in one pipelined round trip."""
         k = self.keys
         ids = list(dict.fromkeys(instance_ids))
+        names = list(dict.fromkeys(models))
         replies = await self._script_many(
-            "snapshot", [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids]
+            "snapshot",
+            [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids],
+            extra=[("HGETALL", k.step_time(m)) for m in names],
         )
         out: dict[str, InstanceLive] = {}
-        for iid, (hb_blob, res_blob, slots) in zip(ids, replies, strict=True):
+        for iid, (hb_blob, res_blob, slots) in zip(ids, replies[: len(ids)], strict=True):
             hb = _pairs(hb_blob)
             res = _pairs(res_blob)
             slots_used = int(slots)
@@ -550,7 +666,13 @@ class StateStore:
                 engine_waiting=_opt_int(hb.get("engine_waiting")),
                 engine_kv_usage=_opt_float(hb.get("engine_kv_usage")),
             )
-        return out
+        steps: dict[str, LiveStepTime] = {}
+        for m, raw in zip(names, replies[len(ids) :], strict=True):
+            rec = _live_step_time(m, raw)
+            if rec is not None:
+                steps[m] = rec
+        return out, steps
+
 
     def _residents_cached(self, instance_id: str, raw: Mapping[str, str]) -> list[ResidentRequest]:
         """Parse residents, reusing the (frozen) objects whose record did not change since the
@@ -756,7 +878,11 @@ class StateStore:
 
     async def budget_status(self, tenant: str, period_id: str) -> BudgetStatus:
         ledger, res, settled = self.keys.ledger(tenant, period_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
+        # MULTI/EXEC only on a single node: redis-py's cluster transaction runs a pending
+        # re-discovery in a thread of its own, whose event loop trips over the client's lock
+        # ("bound to a different event loop") after a failover. The one HGETALL that holds
+        # the money is atomic without it; the two counts are informative
+        pipe: Pipeline = self._r.pipeline(transaction=not is_cluster_client(self._r))
         pipe.hgetall(ledger)
         pipe.hlen(res)
         pipe.hlen(settled)
@@ -947,9 +1073,9 @@ class StateStore:
             if isinstance(replies[n], NoScriptError):  # Redis restarted: load and run just this one
                 replies[n] = await self._script(name, keys, args)
             elif isinstance(replies[n], Exception):
-                raise replies[n]
+                self._raise_reply("finish", replies[n])
         if isinstance(replies[0], Exception):
-            raise replies[0]
+            self._raise_reply("finish", replies[0])
         settled = bool(replies[1]) if len(calls) == 2 else False
         return bool(replies[0]), settled
 
@@ -967,11 +1093,7 @@ class StateStore:
         A count above 1 is repeated inference: a re-delivery after a worker crash.
         """
         key = self.keys.attempt(query_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.pexpire(key, _seconds_ms(ttl_s, "attempt ttl_s"))
-        n, _ = await self._call("mark_attempt", pipe.execute())
-        return int(n)
+        return int(await self._script("attempt", [key], [_seconds_ms(ttl_s, "attempt ttl_s")]))
 
     # ------------------------------------------------------------------ claims (re-routing)
 
@@ -1062,6 +1184,44 @@ class StateStore:
 
     # ------------------------------------------------------------------ maintenance
 
+    async def step_time_publish(
+        self,
+        model: str,
+        coefficients: StepTimeCoefficients,
+        *,
+        rows: int,
+        instance_id: str,
+        ttl_s: float,
+        fit_mape: float | None = None,
+        ttft_error: float | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Publish ``model``'s online-refitted Eq. 9 coefficients; returns their version.
+        Without a new write for ``ttl_s`` the record expires (routers fall back to the
+        configured coefficients)."""
+        c = coefficients
+
+        def opt(v: float | None) -> str:
+            return "" if v is None or not math.isfinite(v) else repr(float(v))
+
+        version = await self._script(
+            "step_time",
+            [self.keys.step_time(model)],
+            [
+                repr(c.c0_ms),
+                repr(c.c1_ms_per_token),
+                repr(c.c2_ms_per_ctx_token),
+                repr(c.c3_ms_per_attn_unit),
+                repr(time.time() if now is None else now),
+                _count(rows, "rows"),
+                opt(fit_mape),
+                opt(ttft_error),
+                self.keys.check_instance_id(instance_id),
+                _seconds_ms(ttl_s, "step-time ttl_s"),
+            ],
+        )
+        return int(version)
+
     async def instance_down(self, instance_id: str) -> None:
         """Drop the heartbeat now (a worker stopping cleanly): routers see it dead at once."""
         await self._call("instance_down", self._r.delete(self.keys.heartbeat(instance_id)))
@@ -1079,6 +1239,31 @@ def _opt_float(value: str | None) -> float | None:
     except ValueError:
         return None
     return f if math.isfinite(f) else None
+
+
+def _live_step_time(model: str, raw: Mapping[str, str] | None) -> LiveStepTime | None:
+    """A step-time record; None when missing or malformed (the configured ones apply)."""
+    if not raw:
+        return None
+    try:
+        coef = StepTimeCoefficients(
+            c0_ms=float(raw["c0_ms"]),
+            c1_ms_per_token=float(raw["c1_ms_per_token"]),
+            c2_ms_per_ctx_token=float(raw["c2_ms_per_ctx_token"]),
+            c3_ms_per_attn_unit=float(raw["c3_ms_per_attn_unit"]),
+        )
+        return LiveStepTime(
+            model=model,
+            coefficients=coef,
+            version=int(raw.get("version", "0")),
+            at=float(raw["at"]),
+            rows=int(raw.get("rows", "0")),
+            instance_id=str(raw.get("instance", "")),
+            fit_mape=_opt_float(raw.get("fit_mape")),
+            ttft_error=_opt_float(raw.get("ttft_error")),
+        )
+    except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
+        return None
 
 
 def _pairs(blob: str) -> dict[str, str]:

@@ -6,6 +6,9 @@ collide; ``serve(port)`` exposes it over HTTP (``/metrics``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -115,6 +118,50 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+
+        self.step_time_coefficient = Gauge(
+            "switchyard_router_step_time_coefficient",
+            "Eq. 9 coefficients of each model as its workers refit them online (ms per unit; "
+            "c0 per step, c1 per token, c2 per decode ctx token, c3 per attention unit)",
+            ["model", "coefficient"],
+            registry=r,
+        )
+        self.step_time_version = Gauge(
+            "switchyard_router_step_time_version",
+            "Version of the online coefficients read (0: none)",
+            ["model"],
+            registry=r,
+        )
+        self.step_time_in_use = Gauge(
+            "switchyard_router_step_time_online",
+            "1 while SFS uses the online coefficients of the model, 0: the configured ones",
+            ["model"],
+            registry=r,
+        )
+        self.step_time_ttft_error = Gauge(
+            "switchyard_router_live_ttft_error",
+            "Mean |predicted - measured| / measured TTFT of the model's recent requests, as "
+            "its worker reports it with the coefficients",
+            ["model"],
+            registry=r,
+        )
+
+    def observe_step_times(self, records: Mapping[str, Any], in_use: Mapping[str, Any]) -> None:
+        """The online step-time records read this window (``state.LiveStepTime``)."""
+        for model, rec in records.items():
+            c = rec.coefficients
+            for name, value in (
+                ("c0_ms", c.c0_ms),
+                ("c1_ms_per_token", c.c1_ms_per_token),
+                ("c2_ms_per_ctx_token", c.c2_ms_per_ctx_token),
+                ("c3_ms_per_attn_unit", c.c3_ms_per_attn_unit),
+            ):
+                self.step_time_coefficient.labels(model, name).set(value)
+            self.step_time_version.labels(model).set(rec.version)
+            if rec.ttft_error is not None:
+                self.step_time_ttft_error.labels(model).set(rec.ttft_error)
+        for model in set(records) | set(in_use):
+            self.step_time_in_use.labels(model).set(1 if model in in_use else 0)
 
     def observe_budgets(self, budgets: dict[str, float], committed: dict[str, float]) -> None:
         for tenant, usd in committed.items():

@@ -2,12 +2,14 @@
 
 ``name`` is a policy registered in ``routing.policies`` (e.g. the default
 ``batch-ilp-sfs``), or ``package.module:factory`` for a policy outside this repository:
-``factory(cluster)`` must return an object with the ``routing.types.Router`` protocol.
+``factory(cluster, **options)`` must return an object with the ``routing.types.Router``
+protocol. ``options`` (``--policy-opt key=value``) go to the policy's constructor.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,15 @@ class PolicyError(ValueError):
     """The policy could not be loaded; the message says which and why."""
 
 
-def load_router(name: str, cluster: ClusterConfig, predictor: str | Path | None = None) -> Router:
+def load_router(
+    name: str,
+    cluster: ClusterConfig,
+    predictor: str | Path | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Router:
+    """The router ``name`` (a registered policy, or ``package.module:factory``) with policy
+    ``options`` (``--policy-opt``: keyword arguments of its constructor or factory)."""
+    opts = dict(options or {})
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -31,11 +41,17 @@ def load_router(name: str, cluster: ClusterConfig, predictor: str | Path | None 
         factory = getattr(module, attr, None)
         if factory is None:
             raise PolicyError(f"policy {name!r}: module {module_name!r} has no attribute {attr!r}")
-        router = (
-            factory(cluster) if callable(factory) and not isinstance(factory, Router) else factory
-        )
+        if isinstance(factory, Router) or not callable(factory):
+            if opts:
+                raise PolicyError(f"policy {name!r} is an object, it takes no options {sorted(opts)}")
+            router = factory
+        else:
+            try:
+                router = factory(cluster, **opts)
+            except TypeError as exc:
+                raise PolicyError(f"policy {name!r}: bad options {sorted(opts)}: {exc}") from exc
     else:
-        router = _from_registry(name, cluster, predictor)
+        router = _from_registry(name, cluster, predictor, opts)
     if not isinstance(router, Router):
         raise PolicyError(
             f"policy {name!r} gave {type(router).__name__}, which has no decide(...) method"
@@ -43,7 +59,9 @@ def load_router(name: str, cluster: ClusterConfig, predictor: str | Path | None 
     return router
 
 
-def _from_registry(name: str, cluster: ClusterConfig, predictor: str | Path | None) -> Router:
+def _from_registry(
+    name: str, cluster: ClusterConfig, predictor: str | Path | None, options: dict[str, Any]
+) -> Router:
     try:
         from routing.policies import RouterContext, make_router
         from routing.quality import ArtefactError, load_predictor
@@ -60,6 +78,6 @@ def _from_registry(name: str, cluster: ClusterConfig, predictor: str | Path | No
         raise PolicyError(f"policy {name!r}: {exc}") from exc
     try:
         ctx = RouterContext.build(cluster, quality, length=getattr(quality, "length", None))
-        return make_router(name, ctx)
+        return make_router(name, ctx, **options)
     except (ValueError, KeyError) as exc:
         raise PolicyError(f"policy {name!r}: {exc}") from exc

@@ -76,7 +76,7 @@ from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
-from streams.views import TenantWindow, instance_views, window_budget
+from streams.views import TenantWindow, instance_views, live_step_models, window_budget
 from wiring import topics
 
 log = logging.getLogger("switchyard.router")
@@ -153,6 +153,11 @@ class RouterConfig:
     # the router's consumer-group session (Faust ``broker_session_timeout``): a window attempt
     # that outlasted it (the process was paused) no longer knows which inputs are its own
     group_session_s: float = 10.0
+    # SFS prices steps with the Eq. 9 coefficients the workers refit online (read with the
+    # snapshot, same round trip) while their record is at most step_time_max_age_s old;
+    # False: always the configured ones
+    online_step_time: bool = True
+    step_time_max_age_s: float = 600.0
 
     @property
     def window(self) -> WindowSettings:
@@ -240,6 +245,7 @@ class RouterService:
         self._period_id = period_id or _default_period_id
         self._budgets = {t.tenant: t for t in cluster.tenants}
         self._instance_ids = [i.id for i in cluster.instances]
+        self._models = list(dict.fromkeys(i.model for i in cluster.instances))
         self._held: list[Pending] = []
         self._retry: list[Inbound] = []  # whole windows that failed on a Redis/Kafka error
         self._lock = asyncio.Lock()
@@ -632,10 +638,17 @@ class RouterService:
         if blind:
             views, excluded = self._blind.views(self.cluster, now), list[str]()
         else:
-            live = await self.state.snapshots(self._instance_ids, now)
+            if self.config.online_step_time:
+                live, records = await self.state.snapshots_and_step_times(
+                    self._instance_ids, self._models, now
+                )
+                steps = live_step_models(records, now, self.config.step_time_max_age_s)
+                self.metrics.observe_step_times(records, steps)
+            else:
+                live, steps = await self.state.snapshots(self._instance_ids, now), {}
             self._blind.observe_instances(live, self.cluster, now)
             views, excluded = instance_views(
-                self.cluster, live, now, self.config.stale_after_s, self._arrivals
+                self.cluster, live, now, self.config.stale_after_s, self._arrivals, steps
             )
             for spec in self.cluster.instances:
                 info = live.get(spec.id)

@@ -9,6 +9,9 @@ Pure functions (no I/O), so the rules are unit-tested without Kafka or Redis:
 - free slots = the model's ``max_concurrency`` minus the slots held in Redis;
 - the resident list holds at least as many running and waiting requests as the engine's
   own ``/metrics`` counts in the heartbeat (``routing.engine_counts``);
+- a model's Eq. 9 coefficients refitted online by its workers (``routing.recalibration``)
+  replace the configured ones while their record is at most ``max_age_s`` old
+  (:func:`live_step_models`);
 - the window budget per tenant = min(remaining in the ledger period, pacing allowance),
   where the allowance spends the remaining budget evenly over what is left of the
   period, times ``pacing_factor`` (0 turns pacing off).
@@ -22,9 +25,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from routing.engine_counts import reconcile_engine_counts
+from routing.steptime import StepTimeModel
 from routing.types import Budget, InstanceState, InstanceView
 from routing.window import UNLIMITED_USD as UNLIMITED_USD  # one definition, re-exported
-from schemas import ClusterConfig, InstanceSnapshot, TenantBudget
+from schemas import ClusterConfig, InstanceSnapshot, StepTimeCoefficients, TenantBudget
 
 
 class LiveLike(Protocol):
@@ -45,11 +49,14 @@ def instance_views(
     now: float,
     stale_after_s: float,
     arrival_rate_per_s: Mapping[str, float] | None = None,
+    step_time: Mapping[str, StepTimeModel] | None = None,
 ) -> tuple[list[InstanceView], list[str]]:
-    """Views for the instances that are alive, and the ids left out (no heartbeat)."""
+    """Views for the instances that are alive, and the ids left out (no heartbeat).
+    ``step_time``: per model, coefficients that replace the configured ones (online refit)."""
     views: list[InstanceView] = []
     excluded: list[str] = []
     rates = arrival_rate_per_s or {}
+    steps = step_time or {}
     for spec in cluster.instances:
         info = live.get(spec.id)
         if info is None or not info.alive:
@@ -79,9 +86,28 @@ def instance_views(
                 age_s=age_s if math.isfinite(age_s) else 1e9,
                 arrival_rate_per_s=float(rates.get(spec.id, 0.0)),
                 stale=stale,
+                step_time=steps.get(spec.model),
             )
         )
     return views, excluded
+
+
+class LiveStepTimeLike(Protocol):
+    """The fields of ``state.LiveStepTime`` the router reads."""
+
+    coefficients: StepTimeCoefficients
+    at: float
+
+
+def live_step_models(
+    records: Mapping[str, LiveStepTimeLike], now: float, max_age_s: float
+) -> dict[str, StepTimeModel]:
+    """Per model, the online-refitted coefficients written at most ``max_age_s`` ago."""
+    return {
+        model: StepTimeModel.from_coefficients(rec.coefficients)
+        for model, rec in records.items()
+        if now - rec.at <= max_age_s
+    }
 
 
 @dataclass(frozen=True)

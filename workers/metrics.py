@@ -86,7 +86,46 @@ class WorkerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         ).labels(**lab)
+        self.step_time_coefficient = Gauge(
+            "switchyard_worker_step_time_coefficient",
+            "Eq. 9 coefficients refitted online from what this worker observes (ms per unit)",
+            [*names, "coefficient"],
+            registry=r,
+        )
+        self.step_time_rows = Gauge(
+            "switchyard_worker_step_time_rows",
+            "Observations in the online refit's window",
+            names,
+            registry=r,
+        ).labels(**lab)
+        self.step_time_version = Gauge(
+            "switchyard_worker_step_time_version",
+            "Version of the coefficients last published to Redis (0: none yet)",
+            names,
+            registry=r,
+        ).labels(**lab)
+        self.step_time_fit_error = Gauge(
+            "switchyard_worker_step_time_fit_error",
+            "The refit's mean relative error on its window's rows",
+            names,
+            registry=r,
+        ).labels(**lab)
+        self._live_ttft_error = Gauge(
+            "switchyard_worker_live_ttft_error",
+            "Mean |predicted - measured| / measured TTFT of recent requests; source=router: "
+            "the router's SFS prediction at decision time, source=refit: the current "
+            "coefficients on the engine-side TTFT",
+            [*names, "source"],
+            registry=r,
+        )
         self._lab = lab
+
+    def live_ttft_error(self, source: str, value: float) -> None:
+        self._live_ttft_error.labels(**self._lab, source=source).set(value)
+
+    def step_time(self, coef: dict[str, float]) -> None:
+        for name, value in coef.items():
+            self.step_time_coefficient.labels(**self._lab, coefficient=name).set(value)
 
     def error(self, kind: str) -> None:
         self._errors.labels(**self._lab, kind=kind).inc()

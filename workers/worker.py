@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable
@@ -50,6 +52,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
 
+from routing.steptime import StepTimeModel
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from state import StateStore, StateUnavailable, period_id
@@ -59,6 +62,7 @@ from workers.backends.base import Backend, EngineUnavailable, Generation, Genera
 from workers.metrics import WorkerMetrics, serve_metrics
 from workers.offsets import OffsetTracker
 from workers.relay import RelayWriter
+from workers.steptime_feed import StepTimeFeed, StepTimeFeedConfig
 from workers.timings import MAX_STEPS_PER_MESSAGE, RequestTiming, StepBatch
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,11 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     # the most one offset commit (and, at shutdown, the consumer's and producer's stop) may take
     commit_timeout_s: float = 15.0
+    # how long a query's closing writes (result mark, settlement, slot release) are retried
+    # while Redis is unavailable: a Redis Cluster failover takes about twice the cluster's
+    # cluster-node-timeout. Past it the reservation stays booked (conservative) and the
+    # resync and the slot lease clean up
+    finish_retry_s: float = 10.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no endpoint; 0: a free port
     limits: Limits = Limits()
@@ -110,10 +119,33 @@ class WorkerConfig:
     poll_bound_s: float = 1.0
     # a group join unfinished this long is logged (once per stall) with the group's name
     group_stall_warn_s: float = 20.0
+    # online recalibration of the model's Eq. 9 coefficients (workers.steptime_feed): what
+    # this worker observes refits them, published to Redis every step_time_refit_s (the
+    # record lapses after step_time_ttl_s without a write); False: no refit, no publish
+    online_step_time: bool = True
+    step_time_refit_s: float = 5.0
+    step_time_ttl_s: float = 900.0
+    step_time_feed: StepTimeFeedConfig = StepTimeFeedConfig()
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.finish_retry_s <= 600.0:
+            raise ValueError(
+                f"WorkerConfig.finish_retry_s must be within 0-600 s, got {self.finish_retry_s!r}"
+            )
         if not self.poll_bound_s >= 0.2:
-            raise ValueError(f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}")
+            raise ValueError(
+                f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}"
+            )
+        if not 0.1 <= self.step_time_refit_s <= 3600.0:
+            raise ValueError(
+                f"WorkerConfig.step_time_refit_s must be within 0.1-3600 s, "
+                f"got {self.step_time_refit_s!r}"
+            )
+        if self.step_time_ttl_s < self.step_time_refit_s:
+            raise ValueError(
+                f"WorkerConfig.step_time_ttl_s ({self.step_time_ttl_s!r}) must be at least "
+                f"step_time_refit_s ({self.step_time_refit_s!r})"
+            )
         if not 0.1 <= self.metadata_refresh_s <= 300.0:
             raise ValueError(
                 f"WorkerConfig.metadata_refresh_s must be within 0.1-300 s, "
@@ -206,6 +238,8 @@ class Worker:
         # the engine failed its last health probe: no heartbeat (routers stop routing here)
         self._engine_lost = False
         self._model_checked = False  # GET /v1/models named this instance's model
+        self.step_feed = self._step_feed()
+        self._refit_at = 0.0
         self.counts = {
             "results": 0,
             "errors": 0,
@@ -216,6 +250,21 @@ class Worker:
             "rerouted_skipped": 0,  # copies a rescuer re-routed elsewhere (also duplicates_skipped)
             "engine_lost": 0,  # times the engine stopped answering its health probe
         }
+
+    def _step_feed(self) -> StepTimeFeed | None:
+        """The online refit of this model's Eq. 9, from its configured coefficients (the
+        prior); None when switched off or the model has none (a cloud endpoint)."""
+        if not self.config.online_step_time or self.spec.kind != "local":
+            return None
+        if self.spec.step_time is not None:
+            prior = StepTimeModel.from_coefficients(self.spec.step_time)
+        elif self.spec.profile:
+            from routing.profiles import load_profile
+
+            prior = load_profile(self.spec.profile)
+        else:
+            return None
+        return StepTimeFeed(prior, self.spec.scheduler, self.config.step_time_feed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -373,7 +422,9 @@ class Worker:
             if self._stalled_since is None:
                 self._stalled_since = now
                 self._stall_said = False
-            elif now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said:
+            elif (
+                now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said
+            ):
                 self._stall_said = True
                 self.metrics.error("group_join")
                 log.warning(
@@ -567,9 +618,9 @@ class Worker:
         )
         self._residents[q.id] = resident
         writer = _ProgressWriter(self, q.id)
-        await self._best_effort(self.state.resident_add(self.instance_id, resident))
         attempt = 1
-        try:
+        try:  # a failure from here on unregisters it: its retry is not "a second copy"
+            await self._best_effort(self.state.resident_add(self.instance_id, resident))
             self.metrics.queued.inc()
             acquired = False
             try:
@@ -678,7 +729,8 @@ class Worker:
         """``StateStore.finish`` with retries; True unless the result had been marked before."""
         ledger = self._ledger_of(rq)
         uncertain = False  # a failed attempt may have set the mark before the reply was lost
-        for attempt in range(3):
+        deadline = time.monotonic() + self.config.finish_retry_s
+        for attempt in itertools.count():
             try:
                 first, _ = await self.state.finish(
                     self.instance_id,
@@ -692,17 +744,19 @@ class Worker:
             except StateUnavailable as exc:
                 uncertain = True
                 self.metrics.error("state")
-                if attempt == 2:
+                pause_s = min(2.0, 0.2 * 2**attempt)
+                if time.monotonic() + pause_s > deadline:
                     # unsettled: the reservation stays booked (conservative, never an overspend);
                     # the resync removes the resident, the slot lease reclaims the slot
                     log.error(
-                        "worker %s: could not finish %s in Redis: %s",
+                        "worker %s: could not finish %s in Redis in %.0f s: %s",
                         self.instance_id,
                         rq.query.id,
+                        self.config.finish_retry_s,
                         exc,
                     )
                     return True
-                await asyncio.sleep(0.2 * 2**attempt)
+                await asyncio.sleep(pause_s)
         return True
 
     def _relay(self, rq: RoutedQuery, attempt: int) -> RelayWriter | None:
@@ -729,7 +783,11 @@ class Worker:
         k = max(1, self.config.progress_every_tokens)
         last = [0, -1]  # prefilled, decoded last written
 
+        feed = self.step_feed
+
         def on_progress(prefilled: int, decoded: int) -> None:
+            if feed is not None and decoded > 0:
+                feed.progress(q.id, decoded, time.time())
             r = self._residents.get(q.id)
             if r is None:
                 return
@@ -753,8 +811,19 @@ class Worker:
             on_text=relay.text if relay is not None else None,
             output_cap_tokens=self.spec.output_cap_tokens(q, prompt_tokens),
         )
+        if feed is not None:
+            feed.sent(
+                q.id,
+                prompt_tokens,
+                predicted,
+                time.time(),
+                predicted_ttft_ms=rq.decision.predicted_ttft_ms,
+                decided_at=rq.decision.decided_at,
+            )
+        gen: Generation | None = None
         try:
-            return await self.backend.generate(req, on_progress)
+            gen = await self.backend.generate(req, on_progress)
+            return gen
         except Exception as exc:  # a backend bug is still an error Result, never silence
             log.exception(
                 "worker %s: backend %s raised on query %s",
@@ -772,6 +841,15 @@ class Worker:
                 now,
                 error=f"backend {self.backend.name} failed: {exc!r}",
             )
+        finally:  # also when cancelled: the request leaves the feed's view of the engine
+            if feed is not None:
+                ok = gen is not None and gen.error is None
+                feed.finished(
+                    q.id,
+                    gen.engine_ttft_ms if ok and gen is not None else None,
+                    gen.first_token_at if ok and gen is not None else None,
+                    gen.prompt_tokens if ok and gen is not None and gen.usage_reported else None,
+                )
 
     def _result(self, rq: RoutedQuery, gen: Generation, received: float, attempt: int) -> Result:
         q = rq.query
@@ -930,6 +1008,11 @@ class Worker:
             n += 1
             await self._heartbeat_once(resync=n % max(1, self.config.resync_every) == 0)
             self._report_steps()
+            try:
+                await self._refit_step_time()
+            except Exception:  # advisory: a refit bug must never stop the heartbeats
+                log.exception("worker %s: step-time refit failed", self.instance_id)
+                self.metrics.error("step_time")
 
     async def _heartbeat_once(self, resync: bool) -> None:
         load = await self.backend.engine_load()
@@ -955,6 +1038,8 @@ class Worker:
                 self._fatal = WorkerFatal(self._wrong_model(problem))  # stops consuming
                 return
             self._model_checked = True
+        if self.step_feed is not None:
+            self.step_feed.engine_counts(load.running, load.waiting)
         if self._engine_lost:
             self._engine_lost = False
             self.metrics.engine_up.set(1)
@@ -977,6 +1062,43 @@ class Worker:
             await self._best_effort(
                 self.state.residents_sync(self.instance_id, view, view_at=view_at)
             )
+
+    async def _refit_step_time(self, force: bool = False) -> None:
+        """Every ``step_time_refit_s``: refit Eq. 9 on the feed's window, show it in the
+        metrics and, once the window has ``min_rows`` observations, publish it to Redis."""
+        feed = self.step_feed
+        if feed is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._refit_at < self.config.step_time_refit_s:
+            return
+        self._refit_at = now
+        fit = feed.refit()
+        coef = fit.model.to_coefficients()
+        self.metrics.step_time(coef.model_dump())
+        self.metrics.step_time_rows.set(fit.n_rows)
+        if math.isfinite(fit.mape):
+            self.metrics.step_time_fit_error.set(fit.mape)
+        router_err, refit_err = feed.ttft_error("router"), feed.ttft_error("refit")
+        if router_err is not None:
+            self.metrics.live_ttft_error("router", router_err)
+        if refit_err is not None:
+            self.metrics.live_ttft_error("refit", refit_err)
+        if fit.n_rows < feed.config.refit.min_rows:
+            return
+        version = await self._best_effort(
+            self.state.step_time_publish(
+                self.spec.name,
+                coef,
+                rows=fit.n_rows,
+                instance_id=self.instance_id,
+                ttl_s=self.config.step_time_ttl_s,
+                fit_mape=fit.mape,
+                ttft_error=router_err,
+            )
+        )
+        if version is not None:
+            self.metrics.step_time_version.set(version)
 
     async def _best_effort(self, aw: Awaitable[T], default: Any = None) -> Any:
         try:

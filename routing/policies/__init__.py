@@ -7,6 +7,20 @@ batch-ilp (paper B); batch-ilp-sfs (both, the default).
 """
 
 from routing.policies.context import RouterContext, SfsTtft
-from routing.policies.registry import DEFAULT_POLICY, ROUTERS, make_router
+from routing.policies.registry import (
+    DEFAULT_POLICY,
+    ROUTERS,
+    effective_options,
+    make_router,
+    parse_options,
+)
 
-__all__ = ["DEFAULT_POLICY", "ROUTERS", "RouterContext", "SfsTtft", "make_router"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "ROUTERS",
+    "RouterContext",
+    "SfsTtft",
+    "effective_options",
+    "make_router",
+    "parse_options",
+]

@@ -110,11 +110,9 @@ def prepare(
     slo = np.fromiter((remaining_slo_ms(q, now) for q in queries), np.float64, n)
     qmodels = list(ctx.quality.models)
     col_of = {name: j for j, name in enumerate(qmodels)}
-    known_models = {m.name for m in ctx.cluster.models}
-    usable = np.array(
-        [v.model in col_of and v.model in known_models for v in views], dtype=np.bool_
-    )
-    cols = np.array([col_of.get(v.model, 0) for v in views], dtype=np.int64)
+    key_of = {m.name: m.predictor_key for m in ctx.cluster.models}  # ModelSpec.quality_as
+    usable = np.array([key_of.get(v.model) in col_of for v in views], dtype=np.bool_)
+    cols = np.array([col_of.get(key_of.get(v.model, v.model), 0) for v in views], dtype=np.int64)
     if n and K:
         est = ctx.quality.predict(texts)
         mean_m = np.asarray(est.mean, dtype=np.float64)
@@ -278,9 +276,11 @@ def _output_tokens(
                 f"length predictor returned shape {pred.shape}, expected {(n, len(lm))}"
             )
         by_model = {name: pred[:, j] for j, name in enumerate(lm)}
+    key_of = {m.name: m.predictor_key for m in ctx.cluster.models}  # ModelSpec.quality_as
     for j, v in enumerate(views):
-        if v.model in by_model:
-            out[:, j] = by_model[v.model]
+        key = key_of.get(v.model, v.model)
+        if key in by_model:
+            out[:, j] = by_model[key]
         else:
             try:
                 mean = ctx.cluster.model(v.model).mean_output_tokens

@@ -90,15 +90,19 @@ class SfsTtft:
     def _spec(self, view: InstanceView) -> ModelSpec:
         return self.cluster.model(view.model)
 
+    def _step(self, view: InstanceView) -> StepTimeModel | None:
+        """The coefficients refitted online (``view.step_time``), else the configured ones."""
+        return view.step_time if view.step_time is not None else self.step_time.get(view.model)
+
     def is_estimate(self, view: InstanceView) -> bool:
-        return view.state is None or view.stale or view.model not in self.step_time
+        return view.state is None or view.stale or self._step(view) is None
 
     def _lps(
         self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
     ) -> FloatArray:
         from routing.lps import lps_ttft_ms
 
-        model = self.step_time.get(view.model)
+        model = self._step(view)
         if model is None or prompt_tokens.size == 0:
             return np.zeros(prompt_tokens.size)
         spec = self._spec(view)
@@ -127,7 +131,8 @@ class SfsTtft:
         output_tokens: IntArray,
         prefix: ColumnPrefix | None = None,
     ) -> FloatArray:
-        if view.state is None or view.stale or view.model not in self.step_time:
+        model = self._step(view)
+        if view.state is None or view.stale or model is None:
             return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
         from routing.sfs import standalone_ttft_ms
 
@@ -135,7 +140,7 @@ class SfsTtft:
         ttft = standalone_ttft_ms(
             view.state,
             prompt_tokens,
-            self.step_time[view.model],
+            model,
             spec.scheduler,
             hit_tokens=None if prefix is None else prefix.hit_tokens,
         )
@@ -148,7 +153,8 @@ class SfsTtft:
         output_tokens: IntArray,
         prefix: ColumnPrefix | None = None,
     ) -> FloatArray:
-        if view.state is None or view.stale or view.model not in self.step_time:
+        model = self._step(view)
+        if view.state is None or view.stale or model is None:
             return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
         from routing.sfs import estimate_ttft_ms
 
@@ -156,7 +162,7 @@ class SfsTtft:
         ttft = estimate_ttft_ms(
             view.state,
             prompt_tokens,
-            self.step_time[view.model],
+            model,
             spec.scheduler,
             output_tokens=np.maximum(output_tokens, 1),
             hit_tokens=None if prefix is None else prefix.hit_tokens,
@@ -192,11 +198,12 @@ class RouterContext:
         if not math.isfinite(self.lam_per_usd) or self.lam_per_usd < 0:
             raise ValueError(f"lam_per_usd must be a finite number >= 0, got {self.lam_per_usd}")
         known = set(self.quality.models)
-        missing = [m.name for m in self.cluster.models if m.name not in known]
+        missing = [m.name for m in self.cluster.models if m.predictor_key not in known]
         if missing:
             raise ValueError(
                 f"the quality predictor has no column for models {missing}; "
-                f"it knows {sorted(known)}: retrain it or fix the cluster config"
+                f"it knows {sorted(known)}: retrain it, or name the column each model is "
+                "read from with `quality_as` in the cluster config"
             )
         if self.ttft is None:
             self.ttft = SfsTtft(self.cluster, self.step_time)

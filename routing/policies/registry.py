@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from routing.policies.batch_ilp import BatchIlpRouter
@@ -43,3 +45,59 @@ def make_router(name: str, ctx: RouterContext, **options: Any) -> Router:
     except TypeError as exc:
         raise ValueError(f"policy {name!r}: bad options {sorted(options)}: {exc}") from None
     return ModelConstrained(router, ctx.cluster)
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["delta=0.1", "robust=true", "method=greedy"]`` → ``{"delta": 0.1, "robust": True,
+    "method": "greedy"}`` (``--policy-opt key=value``): true/false/none, an int, a finite
+    float, else the text. ``ValueError`` naming the item that is not ``key=value``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"policy option {item!r} is not key=value (e.g. delta=0.1)")
+        out[key] = _value(raw.strip())
+    return out
+
+
+def _value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        x = float(raw)
+    except ValueError:
+        return raw
+    if not math.isfinite(x):
+        raise ValueError(f"policy option value {raw!r} is not finite")
+    return x
+
+
+def effective_options(name: str, **options: Any) -> dict[str, Any]:
+    """Every knob of policy ``name`` with the value it runs with: ``options`` over the
+    constructor's defaults (what ``switchyard router`` and ``simulate`` log at start)."""
+    factory = ROUTERS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(ROUTERS)}")
+    out: dict[str, Any] = {}
+    for pname, param in inspect.signature(factory).parameters.items():
+        if pname == "ctx" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is not param.empty:
+            default = param.default
+            if default is None:  # resolved by the class itself (e.g. batch-ilp-sfs's delta)
+                default = getattr(factory, f"default_{pname}", None)
+            out[pname] = default
+    unknown = sorted(set(options) - set(out))
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no option {', '.join(unknown)}; it has {', '.join(sorted(out))}"
+        )
+    return {**out, **options}

@@ -45,6 +45,12 @@ def register(app: typer.Typer) -> None:
             help="Quality predictor artefact (default: trained once from the vendored "
             "routing data and cached under $SWITCHYARD_HOME/predictors)",
         ),
+        policy_opt: list[str] = typer.Option(
+            [],
+            "--policy-opt",
+            help="A policy knob as key=value (repeat): e.g. delta=0.1, gap_tol=0.01, "
+            "deadline_ms=20, robust=false; the effective values are printed at start",
+        ),
         window_ms: float = typer.Option(50.0, "--window-ms", min=1.0, help="Routing window"),
         max_batch: int = typer.Option(
             MAX_BATCH, "--max-batch", min=1, help="Queries per window at most"
@@ -88,6 +94,18 @@ def register(app: typer.Typer) -> None:
         rescue_lease_s: float = typer.Option(
             15.0, "--rescue-lease-s", help="A re-routing claim not renewed this long lapses"
         ),
+        online_step_time: bool = typer.Option(
+            True,
+            "--online-step-time/--configured-step-time",
+            help="SFS uses the Eq. 9 coefficients the workers refit online (read from Redis "
+            "with each window's snapshot), else the cluster config's",
+        ),
+        step_time_max_age_s: float = typer.Option(
+            600.0,
+            "--step-time-max-age-s",
+            min=1.0,
+            help="Online coefficients older than this are ignored (the configured ones apply)",
+        ),
         blas_threads: int = typer.Option(
             1,
             "--blas-threads",
@@ -102,6 +120,7 @@ def register(app: typer.Typer) -> None:
             from offline.blas import limit_blas_threads
 
             limit_blas_threads(blas_threads)
+        from routing.policies.registry import effective_options, parse_options
         from schemas import ClusterConfig
         from streams.app import create_app, run
         from streams.metrics import RouterMetrics
@@ -117,9 +136,11 @@ def register(app: typer.Typer) -> None:
         try:
             settings = Settings.from_env()
             spec = ClusterConfig.from_file(cluster)
+            options = parse_options(policy_opt)  # a mistake is named before any training
+            shown = effective_options(policy, **options) if ":" not in policy else options
             if predictor is None and ":" not in policy:
                 predictor = _default_predictor()
-            chosen = load_router(policy, spec, predictor)
+            chosen = load_router(policy, spec, predictor, options)
             rescue = (
                 RescueConfig(grace_s=rescue_grace_s, lease_s=rescue_lease_s)
                 if rescue_grace_s > 0
@@ -152,6 +173,8 @@ def register(app: typer.Typer) -> None:
             max_hold_s=max_hold_s,
             budget_hold_s=budget_hold_s,
             pacing_factor=pacing,
+            online_step_time=online_step_time,
+            step_time_max_age_s=step_time_max_age_s,
         )
         runtime = create_app(
             spec,
@@ -170,6 +193,11 @@ def register(app: typer.Typer) -> None:
             f"router {app_id}: policy {getattr(chosen, 'name', policy)}, window {window_ms:g} ms, "
             f"max batch {max_batch}, {len(spec.instances)} instances, Kafka {settings.kafka}, "
             f"Redis {settings.redis_display()}",
+            err=True,
+        )
+        typer.echo(
+            f"router {app_id}: policy options "
+            + (", ".join(f"{k}={v}" for k, v in shown.items()) or "none"),
             err=True,
         )
         run(runtime, loglevel=loglevel, logging_config=logging_dict_config(loglevel))

@@ -125,6 +125,12 @@ def register(app: typer.Typer) -> None:
         policy: list[str] = typer.Option(
             ["batch-ilp-sfs"], help=POLICY_HELP + "; repeat to compare several"
         ),
+        policy_opt: list[str] = typer.Option(
+            [],
+            "--policy-opt",
+            help="A policy knob as key=value (repeat), for every --policy: e.g. delta=0.1, "
+            "gap_tol=0.01, robust=false; the effective values are printed",
+        ),
         predictor: Path = typer.Option(
             None, help="Quality predictor artefact (default: train gbdt on 70% of the data)"
         ),
@@ -166,6 +172,7 @@ def register(app: typer.Typer) -> None:
 
         from offline.datasets import load_routing_data
         from routing.datasets import split_by_query
+        from routing.policies.registry import effective_options, parse_options
         from routing.quality import load_predictor, train_predictor
         from schemas import ClusterConfig
         from sim import report as rep
@@ -217,7 +224,14 @@ def register(app: typer.Typer) -> None:
                 budget_usd_per_query=budget_usd_per_query,
                 utility_lambda=utility_lambda,
             )
-            routers = [make_policy(p, cfg, quality, utility_lambda, length=length) for p in policy]
+            options = parse_options(policy_opt)
+            for p in policy:
+                shown = ", ".join(f"{k}={v}" for k, v in effective_options(p, **options).items())
+                console.print(f"{p}: options {shown or 'none'}", highlight=False)
+            routers = [
+                make_policy(p, cfg, quality, utility_lambda, length=length, **options)
+                for p in policy
+            ]
         except (OSError, ValueError, KeyError, TrafficError) as exc:
             _fail(str(exc))
             return

@@ -80,6 +80,15 @@ def register(app: typer.Typer) -> None:
             1.0, "--time-scale", help="sim backend: engine seconds per wall second"
         ),
         seed: int = typer.Option(0, "--seed"),
+        online_step_time: bool = typer.Option(
+            True,
+            "--online-step-time/--no-online-step-time",
+            help="Refit the model's Eq. 9 coefficients from what this worker observes and "
+            "publish them to Redis for the routers' SFS",
+        ),
+        step_time_refit_s: float = typer.Option(
+            5.0, "--step-time-refit-s", min=0.1, max=3600.0, help="Refit and publish every"
+        ),
         log_level: str = typer.Option("WARNING", "--log-level"),
     ) -> None:
         """Consume route.<INSTANCE>, run the backend, publish results (at-least-once)."""
@@ -105,7 +114,7 @@ def register(app: typer.Typer) -> None:
         code = asyncio.run(
             _run_worker(
                 cfg, instance, be, settings, concurrency, heartbeat_s, metrics_host, metrics_port,
-                engine_start_timeout_s,
+                engine_start_timeout_s, online_step_time, step_time_refit_s,
             )  # fmt: skip
         )
         raise typer.Exit(code)
@@ -264,6 +273,8 @@ async def _run_worker(
     metrics_host: str,
     metrics_port: int | None,
     engine_start_timeout_s: float = 600.0,
+    online_step_time: bool = True,
+    step_time_refit_s: float = 5.0,
 ) -> int:
     from state import StateStore, StateUnavailable
     from workers.worker import Worker, WorkerConfig, WorkerFatal
@@ -284,6 +295,8 @@ async def _run_worker(
             metrics_host=metrics_host,
             metrics_port=metrics_port,
             engine_start_timeout_s=engine_start_timeout_s,
+            online_step_time=online_step_time,
+            step_time_refit_s=step_time_refit_s,
         ),
         cfg,
         backend,

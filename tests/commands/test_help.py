@@ -34,3 +34,11 @@ def test_cluster_default_is_absolute_and_read_from_the_environment(tmp_path: Pat
     # from a folder outside the repository, a bad --input is the only complaint
     bad = cli("batch", "--input", "missing.jsonl", "--out", "o.jsonl", "--budget-usd", "1", cwd=tmp_path)
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr and "cluster" not in bad.stderr.lower()
+
+
+def test_policy_options_from_the_command_line(tmp_path: Path) -> None:
+    """``--policy-opt key=value`` reaches the policy; a mistake is a clear error (exit 2)."""
+    bad = cli("router", "--policy", "latency-aware", "--policy-opt", "deltaa=1", cwd=tmp_path)
+    assert bad.returncode == 2 and "no option deltaa" in bad.stderr, bad.stderr
+    worse = cli("router", "--policy-opt", "delta", cwd=tmp_path)
+    assert worse.returncode == 2 and "'delta' is not key=value" in worse.stderr, worse.stderr

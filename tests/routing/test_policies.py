@@ -324,6 +324,29 @@ def test_predictor_missing_a_cluster_model_is_a_clear_error() -> None:
         RouterContext(cluster(), Two())
 
 
+def test_a_model_reads_the_predictor_column_named_by_quality_as() -> None:
+    """A cluster model the predictor never saw reads a stand-in's column (``quality_as``):
+    the same decisions as the cluster that names the stand-in itself."""
+    from routing.policies.common import prepare
+
+    spec = cluster().model_dump(mode="json")
+    spec["models"][2].update(name="large-ft", quality_as="large")
+    spec["instances"] = [dict(i, model="large-ft") if i["model"] == "large" else i
+                         for i in spec["instances"]]  # fmt: skip
+    aliased = ClusterConfig.model_validate(spec)
+    ctx = RouterContext(aliased, FakeQuality(), FakeLength(), ttft=QueueTtft())
+    vs = [InstanceView(v.instance_id, "large-ft" if v.model == "large" else v.model, v.state,
+                       free_slots=v.free_slots) for v in views([0, 0, 0, 0], [4, 4, 4, 4])]  # fmt: skip
+    qs = queries([100, 200, 300])
+    win, plain = prepare(ctx, qs, vs, 0.0), prepare(context(), qs, views([0, 0, 0, 0], [4] * 4), 0.0)
+    np.testing.assert_array_equal(win.quality_mean, plain.quality_mean)
+    np.testing.assert_array_equal(win.output_tokens, plain.output_tokens)
+    assert win.usable.all()
+    spec["models"][2]["quality_as"] = "huge"
+    with pytest.raises(ValueError, match=r"no column for models \['large-ft'\].*quality_as"):
+        RouterContext(ClusterConfig.model_validate(spec), FakeQuality())
+
+
 def test_default_policy_with_real_sfs_estimator() -> None:
     pytest.importorskip("routing.sfs")
     from routing.steptime import StepTimeModel
@@ -402,3 +425,24 @@ def test_instance_of_an_unknown_model_is_never_used() -> None:
         ds = make_router(name, context()).decide(qs, vs, Budget(window_usd=1.0), now=0.0)
         assert all(d.instance_id != "x0" for d in ds), name
         assert all(d.status == DecisionStatus.ROUTED for d in ds), name
+
+
+def test_policy_options_parse_resolve_and_name_mistakes() -> None:
+    from routing.policies import effective_options, parse_options
+
+    opts = parse_options(["delta=0.1", "robust=false", "method=greedy", "max-ttft-rounds=2",
+                          "deadline_ms=none"])  # fmt: skip
+    assert opts == {"delta": 0.1, "robust": False, "method": "greedy", "max_ttft_rounds": 2,
+                    "deadline_ms": None}  # fmt: skip
+    for bad in (["delta"], ["=1"], ["2x=1"]):
+        with pytest.raises(ValueError, match="is not key=value"):
+            parse_options(bad)
+    with pytest.raises(ValueError, match="not finite"):
+        parse_options(["delta=nan"])
+    eff = effective_options("batch-ilp-sfs", gap_tol=0.01)
+    assert eff["gap_tol"] == 0.01 and eff["delta"] == 0.05 and eff["method"] == "fast"
+    assert effective_options("round-robin") == {}
+    with pytest.raises(ValueError, match=r"no option deltaa; it has .*delta"):
+        effective_options("latency-aware", deltaa=0.1)
+    # the options reach the policy
+    assert make_router("latency-aware", context(), **parse_options(["delta=0.3"])).inner.delta == 0.3  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from schemas import ResidentRequest
+from schemas import ResidentRequest, StepTimeCoefficients
 from state import NANO_PER_USD, ResultMark, RouteIntent, StateStore, StateUnavailable, period_id
 
 pytestmark = pytest.mark.integration
@@ -416,10 +416,12 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
         seen.append((name, tags(list(keys))))
         return await orig_script(name, keys, args)
 
-    async def many(name: str, calls: Any) -> Any:
+    async def many(name: str, calls: Any, extra: Any = ()) -> Any:
         for keys, _ in calls:
             seen.append((name, tags(list(keys))))
-        return await orig_many(name, calls)
+        for command in extra:  # plain commands in the same pipeline: one key each
+            seen.append((command[0], tags([command[1]])))
+        return await orig_many(name, calls, extra)
 
     monkeypatch.setattr(s, "_script", script)
     monkeypatch.setattr(s, "_script_many", many)
@@ -437,10 +439,15 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
     await s.dedupe_many([(f"d{i}", "ab" * 32) for i in range(50)], 60)
     await s.mark_intent_many({f"d{i}": RouteIntent("i", "{}") for i in range(50)})
     await s.mark_routed_many({f"d{i}": "i" for i in range(50)})
+    await s.step_time_publish("m", StepTimeCoefficients(
+        c0_ms=1.0, c1_ms_per_token=0.1, c2_ms_per_ctx_token=0.0, c3_ms_per_attn_unit=0.0
+    ), rows=8, instance_id="i", ttl_s=60.0)  # fmt: skip
+    await s.snapshots_and_step_times(["i"], ["m", "n"], 0.0)
     names = {name for name, _ in seen}
     assert names >= {"heartbeat", "resident_add", "resident_progress", "resident_done", "snapshot",
                      "reserve_slots", "reserve_budget", "release_budget", "settle", "dedupe",
-                     "mark_routed", "mark_intent", "residents_reconcile"}  # fmt: skip
+                     "mark_routed", "mark_intent", "residents_reconcile", "step_time",
+                     "HGETALL"}  # fmt: skip
     bad = [(name, t) for name, t in seen if len(t) != 1]
     assert not bad, f"script calls spanning several hash slots: {bad}"
 
@@ -496,3 +503,58 @@ async def test_finish_marks_settles_and_frees_in_one_call(stores: list[StateStor
         True,
     )
     assert (await s.snapshots(["w9"], 0.0))["w9"].slots_used == 0
+
+
+def test_what_a_failing_over_cluster_answers_is_unavailable_not_a_bug() -> None:
+    """Each error a Redis (Cluster) gives while it is not serving is ``unavailable``: the
+    store raises ``StateUnavailable`` for it (bug 19: CLUSTERDOWN and company reached the
+    worker as failures of the message's own). Errors that no wait fixes are not."""
+    from redis import exceptions as rx
+
+    from state.store import unavailable
+
+    cannot_connect = rx.RedisClusterException("Redis Cluster cannot be connected")
+    cannot_connect.__cause__ = rx.ConnectionError("Error 111 connecting")
+    for exc in [
+        rx.ConnectionError("Connection closed by server."),
+        rx.TimeoutError("Timeout reading from socket"),
+        rx.BusyLoadingError("LOADING Redis is loading the dataset in memory"),
+        rx.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        rx.MasterDownError("MASTERDOWN Link with MASTER is down"),
+        rx.ClusterError("TTL exhausted."),
+        rx.TryAgainError("TRYAGAIN Multiple keys request during rehashing of slot"),
+        rx.SlotNotCoveredError("Slot 1234 is not covered by the cluster."),
+        rx.ReadOnlyError("READONLY You can't write against a read only replica."),
+        rx.MovedError("3999 127.0.0.1:6381"),
+        rx.ResponseError("NOREPLICAS Not enough good replicas to write."),
+        cannot_connect,
+        ConnectionRefusedError(111, "Connection refused"),
+    ]:
+        assert unavailable(exc), exc
+    for exc in [
+        rx.ResponseError("ERR wrong number of arguments"),
+        rx.NoScriptError("NOSCRIPT No matching script"),
+        rx.RedisClusterException("Cluster mode is not enabled on this node"),
+        rx.DataError("Invalid input"),
+        ValueError("a bug"),
+    ]:
+        assert not unavailable(exc), exc
+
+
+async def test_a_connection_torn_down_under_the_cluster_client_is_unavailable() -> None:
+    """On CLUSTERDOWN redis-py's cluster client closes every connection, also those other
+    tasks are writing to; they fail inside redis-py with AttributeError (seen in scenario
+    15, bug 19). From the cluster client that is the failover; from anywhere else a bug."""
+    from redis.asyncio.connection import Connection
+
+    from state.store import unavailable
+
+    closed = Connection()  # what another task's aclose() left: no stream writer
+    with pytest.raises(AttributeError) as caught:
+        await closed._send_packed_command([b"PING"])
+    assert unavailable(caught.value, cluster=True)
+    assert not unavailable(caught.value)  # a single-node client has no such race
+    try:
+        None.writelines  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as ours:
+        assert not unavailable(ours, cluster=True)  # not raised in redis-py: a bug of ours

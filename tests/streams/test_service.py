@@ -560,3 +560,45 @@ async def test_a_held_query_whose_window_failed_to_produce_is_routed_on_the_retr
         )
     ]
     assert copies == [qid], f"the held query was acknowledged without being routed: {copies}"
+
+
+async def test_the_window_reads_the_online_step_time_with_the_snapshot(env) -> None:  # type: ignore[no-untyped-def]
+    from schemas import StepTimeCoefficients
+    from tests.streams.fake_router import SpreadRouter
+
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    coef = StepTimeCoefficients(
+        c0_ms=9.0, c1_ms_per_token=0.06, c2_ms_per_ctx_token=0.0008, c3_ms_per_attn_unit=2e-6
+    )
+    await store.step_time_publish(
+        "m", coef, rows=64, instance_id=f"{rid}-a", ttl_s=60.0, ttft_error=0.07
+    )
+    spec = cluster(rid)
+    seen: list[list[object]] = []
+
+    class Recording(SpreadRouter):
+        def decide(self, queries, instances, budget, now):  # type: ignore[no-untyped-def]
+            seen.append([v.step_time for v in instances])
+            return super().decide(queries, instances, budget, now)
+
+    for online in (True, False):
+        svc = RouterService(spec, Recording(spec), store, BatchSink(producer),
+                            RouterConfig(window_s=0.01, online_step_time=online),
+                            period_id=period_id)  # fmt: skip
+        outcome, _ = await svc.handle([Inbound(body(f"{rid}-{online}"), "queries", 0, 1)])
+        assert outcome.routed == 1
+        if online:
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for m in svc.metrics.registry.collect()
+                for s in m.samples
+            }
+            key = (("coefficient", "c1_ms_per_token"), ("model", "m"))
+            assert samples[("switchyard_router_step_time_coefficient", key)] == 0.06
+            assert samples[("switchyard_router_live_ttft_error", (("model", "m"),))] == 0.07
+            assert samples[("switchyard_router_step_time_online", (("model", "m"),))] == 1
+    from routing.steptime import StepTimeModel
+
+    want = StepTimeModel.from_coefficients(coef)
+    assert seen == [[want, want], [None, None]]  # off: the configured coefficients
