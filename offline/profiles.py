@@ -364,6 +364,8 @@ def dense_from_shared(shared_profiles: Path) -> dict[str, dict[str, Any]]:
 def dense_from_vendored(profiles: dict[str, Any]) -> dict[str, dict[str, Any]]:
     tables = {}
     for name, rec in profiles["profiles"].items():
+        if "provenance" in rec:  # measured on a real engine (offline.vllm_profile), no Vidur table
+            continue
         raw = rec["table"]["vidur_dense_ms"]
         tables[name] = {
             "dense_tokens": rec["table"]["dense_tokens"],

@@ -18,6 +18,7 @@ from offline.profiles import (
     sched_for,
     validate_ttft,
 )
+from offline.vllm_profile import refit_measured
 
 
 def register(app: typer.Typer) -> None:
@@ -73,7 +74,10 @@ def register(app: typer.Typer) -> None:
             None, "--out", help="Write here instead of data/profiles/profiles.json"
         ),
     ) -> None:
-        """Re-calibrate the tables and re-fit Eq. 9 (vendored data; --from-shared: raw Vidur files)."""
+        """Re-calibrate the tables and re-fit Eq. 9 (vendored data; --from-shared: raw Vidur files).
+
+        Profiles measured by `switchyard profile-vllm` are re-fitted from their steps files
+        (data/profiles/vllm-steps)."""
         from routing import profiles as prof
         from wiring.paths import shared_data, vendored_data
 
@@ -88,6 +92,8 @@ def register(app: typer.Typer) -> None:
         else:
             tables = dense_from_vendored(json.loads(prof.PROFILES_FILE.read_text(encoding="utf-8")))
         result = build_profiles(data_dir, tables)
+        existing = json.loads(prof.PROFILES_FILE.read_text(encoding="utf-8"))["profiles"]
+        result["profiles"].update(refit_measured(existing, data_dir / "vllm-steps"))
         target = out or prof.PROFILES_FILE
         target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         prof._read.cache_clear()

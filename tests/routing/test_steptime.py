@@ -89,7 +89,12 @@ def test_load_profile_is_case_insensitive_and_errors_list_known() -> None:
 
 def test_profiles_record_their_fit_error() -> None:
     for name in list_profiles():
-        fit = profile_record(name)["fit"]
+        rec = profile_record(name)
+        fit = rec["fit"]
+        if "provenance" in rec:  # measured by `switchyard profile-vllm`: Eq. 9 vs real steps
+            assert 0 <= fit["mape"] < 0.25, name  # a shared 2-core machine: +-40% step noise
+            assert set(fit["eq9"]["by_kind"]) == {"decode", "prefill", "mixed"}, name
+            continue
         assert 0 <= fit["mape"] < 0.10, name  # Eq. 9 vs the measured table
         real = fit.get("real") or {}
         if real:
