@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # make test runs its own services in their own folder, so a user's `switchyard services up` is left alone
 TEST_HOME := $(CURDIR)/.switchyard/test
 
-.PHONY: install lint test test-cluster test-unit demo services-up services-down clean soak faults-loop
+.PHONY: install lint test test-cluster test-unit demo demo-vllm services-up services-down clean soak faults-loop
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ faults-loop: install
 
 demo: install
 	$(BIN)/python -m switchyard.demo
+
+# The demo on two real vLLM servers (CPU build, random weights): installs vLLM once (~2.5 min,
+# ~6 GiB under ~/.cache/switchyard), starts the servers, ends with the live TTFT error.
+demo-vllm: install
+	$(BIN)/python -m switchyard.demo --vllm --rate-scale 0.5 $(DEMO_ARGS)
 
 services-up: install
 	$(BIN)/switchyard services up
