@@ -14,17 +14,30 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal, TypeVar, cast
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import InstanceSnapshot, ResidentRequest, StepTimeCoefficients
@@ -64,6 +77,7 @@ SCRIPTS = (
     "ledger_mark",
     "ledger_rebuild",
     "claim",
+    "attempt",
     "step_time",
 )
 LEDGER_REBUILD_CHUNK = 1000  # query ids per ledger_rebuild call: Redis never blocks long
@@ -76,6 +90,61 @@ CLAIM_TTL_S = 7 * 86_400.0  # as long as a result mark: a copy can wait that lon
 
 class StateUnavailable(RuntimeError):
     """Redis could not be reached or timed out; callers fall back (LPS estimates, blind budget)."""
+
+
+# What a Redis (Cluster) that is not serving right now answers; each goes away by itself:
+# the node is unreachable or timed out; a failover is under way (CLUSTERDOWN, MASTERDOWN,
+# TRYAGAIN, a slot no primary serves yet, redirections that do not settle: ClusterError
+# "TTL exhausted"); a write reached a primary demoted to a replica (READONLY); a node still
+# loading its AOF (LOADING, a ConnectionError in redis-py); a primary that refuses writes
+# under ``min-replicas-to-write`` until a replica is back (NOREPLICAS); a full Redis under
+# ``noeviction`` (OOM, docs/deploy.md). Each is a
+# ``StateUnavailable``, so routers route blind and workers skip best-effort writes, as for
+# a Redis that is down. Before, only the first kind was: during a Redis Cluster failover
+# the others reached a worker as failures of the message's own, and lost queries
+# (docs/reliability.md, bug 19).
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterError,  # ClusterDownError, MasterDownError, "TTL exhausted"
+    TryAgainError,
+    SlotNotCoveredError,
+    ReadOnlyError,
+    AskError,  # MovedError too: a redirection the client could not follow
+    OutOfMemoryError,  # maxmemory with noeviction: writes refused until TTLs free memory
+)
+
+
+_REDIS_PY = os.path.dirname(redis.__file__)
+
+
+def unavailable(exc: BaseException, *, cluster: bool = False) -> bool:
+    """True for an error that means Redis is not serving right now (``UNAVAILABLE_ERRORS``,
+    or redis-py's "cannot be connected" after a failed re-discovery of the cluster).
+
+    ``cluster``: the error came out of a call of redis-py's cluster client. On CLUSTERDOWN
+    that client closes every connection of the cluster, also those other tasks are using,
+    which then fail inside redis-py with ``AttributeError`` (``'NoneType' object has no
+    attribute 'writelines'``) or ``RuntimeError``; raised from redis-py's own code, those
+    are the failover too (seen in scenario 15)."""
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        return True
+    if cluster and isinstance(exc, AttributeError | RuntimeError) and _raised_in_redis_py(exc):
+        return True
+    if isinstance(exc, ResponseError) and str(exc).startswith("NOREPLICAS"):
+        return True  # a primary under ``min-replicas-to-write`` without its replicas
+    return isinstance(exc, RedisClusterException) and isinstance(exc.__cause__, UNAVAILABLE_ERRORS)
+
+
+def _raised_in_redis_py(exc: BaseException) -> bool:
+    """True when a frame of redis-py's own code is on ``exc``'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 @dataclass(frozen=True)
@@ -274,6 +343,7 @@ class StateStore:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, display_url: str) -> None:
         self._r = client
+        self._cluster = is_cluster_client(client)
         self.keys = keys
         self.display_url = display_url
         self._snap_cache: dict[str, dict[str, tuple[str, ResidentRequest]]] = {}
@@ -367,10 +437,21 @@ class StateStore:
                 async with self._gate:
                     return await awaitable
             return await awaitable
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except Exception as exc:
+            if isinstance(exc, StateConfigError) or not unavailable(exc, cluster=self._cluster):
+                raise
             raise StateUnavailable(
-                f"Redis at {self.display_url} unavailable during {op}: {exc}"
+                f"Redis at {self.display_url} unavailable during {op}: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _raise_reply(self, op: str, reply: BaseException) -> None:
+        """Raise an error reply of a ``raise_on_error=False`` pipeline as ``_call`` would."""
+        if unavailable(reply, cluster=self._cluster):
+            raise StateUnavailable(
+                f"Redis at {self.display_url} unavailable during {op}: "
+                f"{type(reply).__name__}: {reply}"
+            ) from reply
+        raise reply
 
     async def _script_many(
         self,
@@ -593,7 +674,6 @@ class StateStore:
                 steps[m] = rec
         return out, steps
 
-
     def _residents_cached(self, instance_id: str, raw: Mapping[str, str]) -> list[ResidentRequest]:
         """Parse residents, reusing the (frozen) objects whose record did not change since the
         last snapshot: between two windows most residents are unchanged, and building a
@@ -798,7 +878,11 @@ class StateStore:
 
     async def budget_status(self, tenant: str, period_id: str) -> BudgetStatus:
         ledger, res, settled = self.keys.ledger(tenant, period_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
+        # MULTI/EXEC only on a single node: redis-py's cluster transaction runs a pending
+        # re-discovery in a thread of its own, whose event loop trips over the client's lock
+        # ("bound to a different event loop") after a failover. The one HGETALL that holds
+        # the money is atomic without it; the two counts are informative
+        pipe: Pipeline = self._r.pipeline(transaction=not is_cluster_client(self._r))
         pipe.hgetall(ledger)
         pipe.hlen(res)
         pipe.hlen(settled)
@@ -989,9 +1073,9 @@ class StateStore:
             if isinstance(replies[n], NoScriptError):  # Redis restarted: load and run just this one
                 replies[n] = await self._script(name, keys, args)
             elif isinstance(replies[n], Exception):
-                raise replies[n]
+                self._raise_reply("finish", replies[n])
         if isinstance(replies[0], Exception):
-            raise replies[0]
+            self._raise_reply("finish", replies[0])
         settled = bool(replies[1]) if len(calls) == 2 else False
         return bool(replies[0]), settled
 
@@ -1009,11 +1093,7 @@ class StateStore:
         A count above 1 is repeated inference: a re-delivery after a worker crash.
         """
         key = self.keys.attempt(query_id)
-        pipe: Pipeline = self._r.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.pexpire(key, _seconds_ms(ttl_s, "attempt ttl_s"))
-        n, _ = await self._call("mark_attempt", pipe.execute())
-        return int(n)
+        return int(await self._script("attempt", [key], [_seconds_ms(ttl_s, "attempt ttl_s")]))
 
     # ------------------------------------------------------------------ claims (re-routing)
 

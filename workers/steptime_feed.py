@@ -110,7 +110,8 @@ class StepTimeFeed:
         return self.refitter.model
 
     # ---- what the worker sees -------------------------------------------------------
-    def _state(self) -> InstanceState:
+    def state(self) -> InstanceState:
+        """The in-flight requests as SFS takes them (a snapshot of what the worker knows)."""
         rs = sorted(self._live.values(), key=lambda r: r.order)
         prompt = np.fromiter((r.prompt_tokens for r in rs), np.int64, len(rs))
         decoded = np.fromiter((r.decoded for r in rs), np.int64, len(rs))
@@ -137,7 +138,7 @@ class StepTimeFeed:
             max(1, int(prompt_tokens)),
             max(1, int(predicted_output_tokens)),
             now,
-            self._state(),
+            self.state(),
             predicted_ttft_ms=predicted_ttft_ms,
             decided_at=decided_at,
         )
@@ -167,9 +168,14 @@ class StepTimeFeed:
             self._anchor = _Anchor(qid, self._epoch, now, r.decoded, contexts)
 
     def finished(
-        self, qid: str, engine_ttft_ms: float | None, first_token_at: float | None
+        self,
+        qid: str,
+        engine_ttft_ms: float | None,
+        first_token_at: float | None,
+        prompt_tokens: int | None = None,
     ) -> None:
-        """The request is over (``engine_ttft_ms`` None: it failed before its first token)."""
+        """The request is over (``engine_ttft_ms`` None: it failed before its first token).
+        ``prompt_tokens``: the engine's own count (usage), when it said, for this row."""
         r = self._live.pop(qid, None)
         if r is None:
             return
@@ -181,7 +187,7 @@ class StepTimeFeed:
             if measured > 0:
                 self._err_router.append(abs(r.predicted_ttft_ms - measured) / measured)
         try:
-            row = ttft_row(r.state, r.prompt_tokens, self.sched)
+            row = ttft_row(r.state, prompt_tokens or r.prompt_tokens, self.sched)
         except ValueError:
             self.rows["skipped"] += 1
             return

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -91,6 +92,11 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     # the most one offset commit (and, at shutdown, the consumer's and producer's stop) may take
     commit_timeout_s: float = 15.0
+    # how long a query's closing writes (result mark, settlement, slot release) are retried
+    # while Redis is unavailable: a Redis Cluster failover takes about twice the cluster's
+    # cluster-node-timeout. Past it the reservation stays booked (conservative) and the
+    # resync and the slot lease clean up
+    finish_retry_s: float = 10.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no endpoint; 0: a free port
     limits: Limits = Limits()
@@ -122,8 +128,14 @@ class WorkerConfig:
     step_time_feed: StepTimeFeedConfig = StepTimeFeedConfig()
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.finish_retry_s <= 600.0:
+            raise ValueError(
+                f"WorkerConfig.finish_retry_s must be within 0-600 s, got {self.finish_retry_s!r}"
+            )
         if not self.poll_bound_s >= 0.2:
-            raise ValueError(f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}")
+            raise ValueError(
+                f"WorkerConfig.poll_bound_s must be >= 0.2 s, got {self.poll_bound_s!r}"
+            )
         if not 0.1 <= self.step_time_refit_s <= 3600.0:
             raise ValueError(
                 f"WorkerConfig.step_time_refit_s must be within 0.1-3600 s, "
@@ -410,7 +422,9 @@ class Worker:
             if self._stalled_since is None:
                 self._stalled_since = now
                 self._stall_said = False
-            elif now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said:
+            elif (
+                now - self._stalled_since >= self.config.group_stall_warn_s and not self._stall_said
+            ):
                 self._stall_said = True
                 self.metrics.error("group_join")
                 log.warning(
@@ -604,9 +618,9 @@ class Worker:
         )
         self._residents[q.id] = resident
         writer = _ProgressWriter(self, q.id)
-        await self._best_effort(self.state.resident_add(self.instance_id, resident))
         attempt = 1
-        try:
+        try:  # a failure from here on unregisters it: its retry is not "a second copy"
+            await self._best_effort(self.state.resident_add(self.instance_id, resident))
             self.metrics.queued.inc()
             acquired = False
             try:
@@ -715,7 +729,8 @@ class Worker:
         """``StateStore.finish`` with retries; True unless the result had been marked before."""
         ledger = self._ledger_of(rq)
         uncertain = False  # a failed attempt may have set the mark before the reply was lost
-        for attempt in range(3):
+        deadline = time.monotonic() + self.config.finish_retry_s
+        for attempt in itertools.count():
             try:
                 first, _ = await self.state.finish(
                     self.instance_id,
@@ -729,17 +744,19 @@ class Worker:
             except StateUnavailable as exc:
                 uncertain = True
                 self.metrics.error("state")
-                if attempt == 2:
+                pause_s = min(2.0, 0.2 * 2**attempt)
+                if time.monotonic() + pause_s > deadline:
                     # unsettled: the reservation stays booked (conservative, never an overspend);
                     # the resync removes the resident, the slot lease reclaims the slot
                     log.error(
-                        "worker %s: could not finish %s in Redis: %s",
+                        "worker %s: could not finish %s in Redis in %.0f s: %s",
                         self.instance_id,
                         rq.query.id,
+                        self.config.finish_retry_s,
                         exc,
                     )
                     return True
-                await asyncio.sleep(0.2 * 2**attempt)
+                await asyncio.sleep(pause_s)
         return True
 
     def _relay(self, rq: RoutedQuery, attempt: int) -> RelayWriter | None:
@@ -831,6 +848,7 @@ class Worker:
                     q.id,
                     gen.engine_ttft_ms if ok and gen is not None else None,
                     gen.first_token_at if ok and gen is not None else None,
+                    gen.prompt_tokens if ok and gen is not None and gen.usage_reported else None,
                 )
 
     def _result(self, rq: RoutedQuery, gen: Generation, received: float, attempt: int) -> Result:

@@ -26,7 +26,7 @@ import redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.crc import key_slot
 
-from schemas import ResidentRequest
+from schemas import ResidentRequest, StepTimeCoefficients
 from state import RouteIntent, StateConfigError, StateStore, StateUnavailable, period_id
 from state.cluster import parse_cluster_url
 from state.store import SCRIPTS
@@ -102,6 +102,19 @@ async def tour(s: StateStore) -> set[str]:
     snaps = await s.snapshots(insts, now)
     assert set(snaps) == set(insts)
     mark("snapshots")
+    coefficients = StepTimeCoefficients(
+        c0_ms=1.0, c1_ms_per_token=0.01, c2_ms_per_ctx_token=0.001, c3_ms_per_attn_unit=0.0
+    )
+    assert (
+        await s.step_time_publish(
+            "tiny@cpu", coefficients, rows=10, instance_id="gpu-0", ttl_s=60.0
+        )
+        == 1
+    )
+    mark("step_time_publish")
+    live, steps = await s.snapshots_and_step_times(insts, ["tiny@cpu", "other"], now)
+    assert set(live) == set(insts) and set(steps) == {"tiny@cpu"}
+    mark("snapshots_and_step_times")
     assert await s.reserve_slots("gpu-1", 2, ["a", "b", "c"]) == [True, True, False]
     mark("reserve_slots")
     assert sorted(await s.slots_held("gpu-1")) == ["a", "b"]

@@ -503,3 +503,59 @@ async def test_finish_marks_settles_and_frees_in_one_call(stores: list[StateStor
         True,
     )
     assert (await s.snapshots(["w9"], 0.0))["w9"].slots_used == 0
+
+
+def test_what_a_failing_over_cluster_answers_is_unavailable_not_a_bug() -> None:
+    """Each error a Redis (Cluster) gives while it is not serving is ``unavailable``: the
+    store raises ``StateUnavailable`` for it (bug 19: CLUSTERDOWN and company reached the
+    worker as failures of the message's own). Errors that no wait fixes are not."""
+    from redis import exceptions as rx
+
+    from state.store import unavailable
+
+    cannot_connect = rx.RedisClusterException("Redis Cluster cannot be connected")
+    cannot_connect.__cause__ = rx.ConnectionError("Error 111 connecting")
+    for exc in [
+        rx.ConnectionError("Connection closed by server."),
+        rx.TimeoutError("Timeout reading from socket"),
+        rx.BusyLoadingError("LOADING Redis is loading the dataset in memory"),
+        rx.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        rx.MasterDownError("MASTERDOWN Link with MASTER is down"),
+        rx.ClusterError("TTL exhausted."),
+        rx.TryAgainError("TRYAGAIN Multiple keys request during rehashing of slot"),
+        rx.SlotNotCoveredError("Slot 1234 is not covered by the cluster."),
+        rx.ReadOnlyError("READONLY You can't write against a read only replica."),
+        rx.MovedError("3999 127.0.0.1:6381"),
+        rx.ResponseError("NOREPLICAS Not enough good replicas to write."),
+        rx.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'."),
+        cannot_connect,
+        ConnectionRefusedError(111, "Connection refused"),
+    ]:
+        assert unavailable(exc), exc
+    for exc in [
+        rx.ResponseError("ERR wrong number of arguments"),
+        rx.NoScriptError("NOSCRIPT No matching script"),
+        rx.RedisClusterException("Cluster mode is not enabled on this node"),
+        rx.DataError("Invalid input"),
+        ValueError("a bug"),
+    ]:
+        assert not unavailable(exc), exc
+
+
+async def test_a_connection_torn_down_under_the_cluster_client_is_unavailable() -> None:
+    """On CLUSTERDOWN redis-py's cluster client closes every connection, also those other
+    tasks are writing to; they fail inside redis-py with AttributeError (seen in scenario
+    15, bug 19). From the cluster client that is the failover; from anywhere else a bug."""
+    from redis.asyncio.connection import Connection
+
+    from state.store import unavailable
+
+    closed = Connection()  # what another task's aclose() left: no stream writer
+    with pytest.raises(AttributeError) as caught:
+        await closed._send_packed_command([b"PING"])
+    assert unavailable(caught.value, cluster=True)
+    assert not unavailable(caught.value)  # a single-node client has no such race
+    try:
+        None.writelines  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as ours:
+        assert not unavailable(ours, cluster=True)  # not raised in redis-py: a bug of ours

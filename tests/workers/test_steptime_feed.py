@@ -73,3 +73,11 @@ def test_failed_and_implausible_requests_give_no_row() -> None:
     assert feed.refitter.n_rows == 0 and feed.ttft_error("router") is None
     with pytest.raises(ValueError, match="decode_row_tokens"):
         StepTimeFeedConfig(decode_row_tokens=0)
+
+
+def test_the_engines_own_prompt_count_wins_for_the_row() -> None:
+    feed = StepTimeFeed(PRIOR, SCHED)
+    feed.sent("a", 100, 10, 0.0)  # the worker's estimate (bytes / 4)
+    feed.finished("a", engine_ttft_ms=300.0, first_token_at=0.3, prompt_tokens=320)  # usage
+    X, _ = feed.refitter.rows()
+    assert X[0] == pytest.approx(ttft_row(InstanceState.empty(), 320, SCHED))

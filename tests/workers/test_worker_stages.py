@@ -195,3 +195,62 @@ async def test_query_whose_worker_died_each_time_is_not_started_again(
 
     letters = await _read_topic(kafka_bootstrap, topics.DEAD_LETTERS, lambda o: len(o) >= 1, mine)
     assert [(x.stage, x.offset) for x in letters] == [("generate", 1)]
+
+
+@pytest.mark.parametrize("fault", ["failover", "own"])
+async def test_a_message_whose_first_try_failed_registering_its_resident_is_answered(
+    fault: str,
+    env: dict[str, Any],
+    kafka_bootstrap: str,
+) -> None:
+    """The first ``resident_add`` of one query fails once. ``failover``: inside the Redis
+    client, with what a Redis Cluster answers mid-failover (CLUSTERDOWN), which the store
+    reports as unavailable, so the worker goes on (a best-effort write). ``own``: a fault of
+    the message's own, so its handling is retried. Either way the query is answered once,
+    without an error and without a dead letter. Before bug 19's fix the first try left the
+    query registered as running here, and its retry skipped it as "a second copy": no
+    Result, ever (the queries a Redis Cluster failover lost in scenario 15)."""
+    from redis.exceptions import ClusterDownError
+
+    iid = f"st-res{fault[:2]}-" + uuid.uuid4().hex[:6]
+    period = period_id(time.time(), 3600)
+    queries = [_routed(f"{iid}-q{i}", iid, period, max_tokens=4) for i in range(4)]
+    victim = queries[1].query.id
+    await _produce(
+        env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
+    )
+    worker = sim_worker(iid, env)
+    state, hits = worker.state, Counter[str]()
+    if fault == "failover":
+        script = state._scripts["resident_add"]
+
+        async def add_script(keys: Any = None, args: Any = None, client: Any = None) -> Any:
+            if victim in (args or []) and not hits["resident_add"]:
+                hits["resident_add"] += 1
+                raise ClusterDownError("CLUSTERDOWN The cluster is down")
+            return await script(keys=keys, args=args, client=client)
+
+        state._scripts["resident_add"] = add_script  # type: ignore[assignment]
+    else:
+        real_add = state.resident_add
+
+        async def resident_add(instance_id: str, r: Any, **kw: Any) -> None:
+            if r.query_id == victim and not hits["resident_add"]:
+                hits["resident_add"] += 1
+                raise Boom("injected fault at resident_add")
+            await real_add(instance_id, r, **kw)
+
+        state.resident_add = resident_add  # type: ignore[method-assign]
+    async with running(worker):
+        answers = {
+            rq.query.id: await env["client"].result(rq.query.id, timeout_s=30) for rq in queries
+        }
+        deadline = time.monotonic() + 10
+        while worker._tracker.committable() and time.monotonic() < deadline:
+            await worker._commit()
+            await asyncio.sleep(0.2)
+    assert hits["resident_add"] == 1
+    assert all(r.error is None for r in answers.values()), answers
+    assert worker.counts["duplicates_skipped"] == 0
+    assert worker.counts["dead_letters"] == 0
+    assert not worker._tracker.committable() and worker._tracker.unfinished() == 0
