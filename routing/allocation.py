@@ -10,13 +10,20 @@ budget, to maximise the expected batch quality of routing on historical data:
                Σ_j g_j · I_j <= G                    the GPU budget
                I_j ∈ {0, 1, 2, ...},  x ∈ [0, 1]
 
-over S windows of w queries sampled from the data: one mixed-integer program whose
-integer instance counts are shared by all windows. A query not served scores 0. Cloud
-models (g_j = 0) have no instance limit. x is continuous: for fixed counts the window
-problem is a transportation problem with one budget row, whose LP optimum is
-integral but for at most a couple of queries per window, so this is the batch ILP's
-value up to that rounding. Solved by HiGHS (scipy.optimize.milp). Pure: arrays in,
-arrays out.
+over S windows of w queries sampled from the data (or given as rows): one mixed-integer
+program whose integer instance counts are shared by all windows. A query not served
+scores 0. Cloud models (g_j = 0) have no instance limit. x is continuous: for fixed counts
+the window problem is a transportation problem with one budget row, whose LP optimum is
+integral but for at most a couple of queries per window, so this is the batch ILP's value
+up to that rounding.
+
+``serve_first`` is paper B's reading, where every query is assigned: the program
+maximises the queries served first and quality second, by valuing each pair at
+a_ij − min a + K with K = 1 + the widest score spread of a window, so one more query
+served outweighs any quality difference inside a window. The quality reported is
+still the unshifted mean score.
+
+Solved by HiGHS (scipy.optimize.milp). Pure: arrays in, arrays out.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ class AllocationProblem:
     n_windows: int = 16
     window_budget_usd: float | None = None
     seed: int = 0
+    # [S, w] query rows of the windows; None: n_windows windows of window_size rows drawn
+    # with ``seed``
+    window_rows: IntArray | None = None
+    serve_first: bool = False  # maximise queries served, then quality (see the module doc)
 
     def __post_init__(self) -> None:
         a = np.asarray(self.scores, dtype=np.float64)
@@ -76,13 +87,28 @@ class AllocationProblem:
             math.isnan(self.window_budget_usd) or self.window_budget_usd < 0
         ):
             raise ValueError(f"window_budget_usd must be >= 0, got {self.window_budget_usd}")
+        if self.window_rows is not None:
+            rows = np.asarray(self.window_rows)
+            if rows.ndim != 2 or rows.size == 0 or rows.dtype.kind not in "iu":
+                raise ValueError(
+                    "window_rows must be a non-empty [windows, queries] integer array, "
+                    f"got shape {rows.shape} of {rows.dtype}"
+                )
+            if rows.min() < 0 or rows.max() >= n:
+                raise ValueError(
+                    f"window_rows must index the {n} queries, got rows "
+                    f"{int(rows.min())}..{int(rows.max())}"
+                )
 
     @property
     def m(self) -> int:
         return int(np.asarray(self.scores).shape[1])
 
     def windows(self) -> IntArray:
-        """[S, w] query rows of the sampled windows (without replacement inside a window)."""
+        """[S, w] query rows of the windows: ``window_rows``, or sampled (without replacement
+        inside a window)."""
+        if self.window_rows is not None:
+            return np.asarray(self.window_rows, dtype=np.int64)
         n = int(np.asarray(self.scores).shape[0])
         rng = np.random.default_rng(self.seed)
         w = min(self.window_size, n)
@@ -97,13 +123,25 @@ class Allocation:
     instances: IntArray  # [m]; cloud models report 0
     gpus_used: int
     expected_quality: float  # mean score per sampled query, unserved queries count 0
-    bound: float
+    bound: float  # nan with serve_first: the solver's bound is on the shifted objective
     solver_seconds: float
     status: str
 
     @property
     def gap(self) -> float:
+        if math.isnan(self.bound):
+            return math.nan
         return max(0.0, self.bound - self.expected_quality) / max(abs(self.expected_quality), 1e-12)
+
+
+def _values(p: AllocationProblem, win: IntArray) -> tuple[FloatArray, FloatArray]:
+    """(what the program maximises, the quality it reports): [S, w, m] each, per query of
+    a window and per model."""
+    a = np.asarray(p.scores, dtype=np.float64)[win]
+    if not p.serve_first:
+        return a, a
+    spread = 1.0 + float((a.max(axis=(1, 2)) - a.min(axis=(1, 2))).max())
+    return a - float(a.min()) + spread, a
 
 
 def _model(
@@ -163,7 +201,8 @@ def _model(
         ub.append(np.full(S, float(p.window_budget_usd)))
         lb.append(np.full(S, -np.inf))
     A_all = sp.vstack(blocks, format="csr")
-    obj = np.concatenate([-a[win].ravel() / (S * w), np.zeros(nI)])
+    value, _ = _values(p, win)
+    obj = np.concatenate([-value.ravel() / (S * w), np.zeros(nI)])
     lo = np.zeros(nx + nI)
     hi = np.concatenate([np.ones(nx), np.full(nI, np.inf)])
     if fixed is not None:
@@ -183,7 +222,11 @@ def evaluate_allocation(p: AllocationProblem, instances: IntArray) -> float:
     )
     if res.x is None:
         raise RuntimeError(f"evaluating the allocation failed: {res.message}")
-    return -float(res.fun)
+    if not p.serve_first:
+        return -float(res.fun)
+    win = p.windows()
+    _, quality = _values(p, win)
+    return float(quality.ravel() @ res.x[:nx]) / win.size
 
 
 def solve_allocation(
@@ -213,11 +256,13 @@ def solve_allocation(
     quality = evaluate_allocation(p, counts)  # re-evaluate at the rounded counts
     bound_raw = getattr(res, "mip_dual_bound", None)
     bound = -float(bound_raw) if bound_raw is not None else quality
+    if p.serve_first:
+        bound = math.nan
     return Allocation(
         instances=counts,
         gpus_used=int((counts * g).sum()),
         expected_quality=quality,
-        bound=max(bound, quality),
+        bound=bound if math.isnan(bound) else max(bound, quality),
         solver_seconds=seconds,
         status=str(res.message),
     )

@@ -62,6 +62,42 @@ def test_cloud_models_need_no_instances() -> None:
     assert alloc.expected_quality >= evaluate_allocation(cloud, np.zeros(3, dtype=np.int64))
 
 
+def test_given_window_rows_are_the_sampled_windows_when_equal() -> None:
+    p = problem(seed=3)
+    given = AllocationProblem(
+        p.scores,
+        p.cost_usd,
+        p.gpus_per_instance,
+        p.slots_per_instance,
+        p.gpu_budget,
+        window_rows=p.windows(),
+    )
+    assert np.array_equal(given.windows(), p.windows())
+    a, b = solve_allocation(p), solve_allocation(given)
+    assert a.expected_quality == pytest.approx(b.expected_quality, abs=1e-9)
+
+
+def test_serve_first_serves_more_queries_before_quality() -> None:
+    # one GPU: a sharp model that takes 1 query per window, or a weak one that takes 10
+    n = 10
+    scores = np.tile([1.0, 0.05], (n, 1))
+    base = {
+        "scores": scores,
+        "cost_usd": np.zeros((n, 2)),
+        "gpus_per_instance": np.array([1, 1]),
+        "slots_per_instance": np.array([1, 10]),
+        "gpu_budget": 1,
+        "window_rows": np.arange(n)[None, :],
+    }
+    quality_first = solve_allocation(AllocationProblem(**base))  # type: ignore[arg-type]
+    assert quality_first.instances.tolist() == [1, 0]
+    assert quality_first.expected_quality == pytest.approx(0.1)
+    served_first = solve_allocation(AllocationProblem(**base, serve_first=True))  # type: ignore[arg-type]
+    assert served_first.instances.tolist() == [0, 1]
+    assert served_first.expected_quality == pytest.approx(0.05)  # unshifted mean score
+    assert np.isnan(served_first.bound) and np.isnan(served_first.gap)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -70,6 +106,8 @@ def test_cloud_models_need_no_instances() -> None:
         ({"gpus_per_instance": np.array([1, -1, 1])}, "gpus_per_instance must be >= 0"),
         ({"gpu_budget": -1}, "gpu_budget must be >= 0"),
         ({"window_budget_usd": float("nan")}, "window_budget_usd must be >= 0"),
+        ({"window_rows": np.array([[0, 60]])}, r"window_rows must index the 60 queries"),
+        ({"window_rows": np.zeros((2, 2))}, "window_rows must be a non-empty .* integer array"),
     ],
 )
 def test_bad_inputs_are_named(change: dict[str, object], message: str) -> None:
@@ -81,6 +119,7 @@ def test_bad_inputs_are_named(change: dict[str, object], message: str) -> None:
         "slots_per_instance": p.slots_per_instance,
         "gpu_budget": p.gpu_budget,
         "window_budget_usd": p.window_budget_usd,
+        "window_rows": p.window_rows,
     }
     kwargs.update(change)
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,4 @@
-"""Experiment harness: batch ILP vs per-query, allocation, JSON keys (sim/experiments.py)."""
+"""Experiment harness: batch ILP vs per-query, allocation, JSON keys (sim/experiments/)."""
 
 from __future__ import annotations
 
@@ -63,13 +63,11 @@ def test_allocation_respects_gpus_and_beats_uniform_on_its_windows() -> None:
     a, c = _synthetic(n=240)
     g = np.array([1, 2, 4])
     slots = np.array([20, 20, 20])
-    windows = [a[:120], a[120:]]
-    costs = [c[:120], c[120:]]
+    rows = [np.arange(120), np.arange(120, 240)]
     for gpus in (4, 8, 12):
-        opt = ex.allocate_counts(windows, costs, g, slots, gpus, float("inf"))
+        opt = ex.allocate_counts(a, c, rows, g, slots, gpus)
         uni = ex.uniform_counts(g, gpus)
         assert (opt * g).sum() <= gpus and (uni * g).sum() <= gpus
-        rows = [np.arange(120), np.arange(120, 240)]
         q_opt = ex.score_batches(
             ex.route_windows(a, c, rows, opt * slots, float("inf")), rows, a, c, float("inf")
         )
