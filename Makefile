@@ -34,7 +34,7 @@ test: lint
 # The cluster suite (tests/clusters, and tests/state on the Redis Cluster): a 3-broker KRaft
 # Kafka and a 3-primary Redis Cluster with one replica each, started and stopped here. Apart
 # from `make test` because three brokers and six redis-servers beside its own services do not
-# fit its 20 minutes on a small machine; about 4 min on its own, so CI can run it after
+# fit its 20 minutes on a small machine; about 4 min on its own: CI (.ci/run) runs it after
 # `make test` (docs/reliability.md, § 13-15).
 test-cluster: install
 	SWITCHYARD_HOME=$(CURDIR)/.switchyard/test-cluster $(BIN)/python -m switchyard.testrun --clusters -- \
