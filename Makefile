@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # make test runs its own services in their own folder, so a user's `switchyard services up` is left alone
 TEST_HOME := $(CURDIR)/.switchyard/test
 
-.PHONY: install lint test test-cluster test-unit demo services-up services-down clean soak faults-loop
+.PHONY: install lint test test-cluster test-unit demo demo-vllm services-up services-down clean soak faults-loop
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ test: lint
 # The cluster suite (tests/clusters, and tests/state on the Redis Cluster): a 3-broker KRaft
 # Kafka and a 3-primary Redis Cluster with one replica each, started and stopped here. Apart
 # from `make test` because three brokers and six redis-servers beside its own services do not
-# fit its 20 minutes on a small machine; about 4 min on its own, so CI can run it after
+# fit its 20 minutes on a small machine; about 4 min on its own: CI (.ci/run) runs it after
 # `make test` (docs/reliability.md, § 13-15).
 test-cluster: install
 	SWITCHYARD_HOME=$(CURDIR)/.switchyard/test-cluster $(BIN)/python -m switchyard.testrun --clusters -- \
@@ -58,6 +58,11 @@ faults-loop: install
 
 demo: install
 	$(BIN)/python -m switchyard.demo
+
+# The demo on two real vLLM servers (CPU build, random weights): installs vLLM once (~2.5 min,
+# ~6 GiB under ~/.cache/switchyard), starts the servers, ends with the live TTFT error.
+demo-vllm: install
+	$(BIN)/python -m switchyard.demo --vllm --rate-scale 0.5 $(DEMO_ARGS)
 
 services-up: install
 	$(BIN)/switchyard services up

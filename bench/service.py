@@ -161,6 +161,15 @@ async def discard(
     return routed_at, added_ms
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
@@ -502,7 +511,9 @@ async def flood(
         await consumer.start()
         try:
             commands_before = redis_commands(redis_url)
+            cpu_before = sum(_cpu_s(r.pid) for r in routers)
             through = await phase(bootstrap, store, consumer, rid, "t", n_through, 0.0)
+            router_cpu_s = sum(_cpu_s(r.pid) for r in routers) - cpu_before
             commands = redis_commands(redis_url) - commands_before
             # latency at a load the router sustains: 30% of the measured throughput
             lat_rate = args.latency_rate or max(
@@ -523,6 +534,11 @@ async def flood(
             # every command any client sent the Redis primaries during the flood, per routed
             # query (routers, the discarding workers' slot releases, heartbeats)
             "redis_commands_per_query": round(commands / max(1, int(through["routed"])), 2),
+            # the routers' own CPU time (user + system) during the flood, per routed query:
+            # beside --core's figure, what Faust and the consumer add per event
+            "router_cpu_us_per_query": round(
+                router_cpu_s / max(1, int(through["routed"])) * 1e6, 1
+            ),
             "kafka": "3 brokers, replication 3, min.insync.replicas 2"
             if args.clusters
             else "1 broker",

@@ -18,6 +18,7 @@ from schemas.messages import (
     ResultCode,
     RoutedQuery,
     WindowStats,
+    decision_bytes,
     routed_query_bytes,
     routed_query_raw,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "TenantBudget",
     "WindowStats",
     "decode_json",
+    "decision_bytes",
     "routed_query_bytes",
     "routed_query_raw",
     "parse_model",

@@ -86,6 +86,22 @@ class RoutedQuery(BaseModel):
 
 
 _ROUTED_HEAD, _ROUTED_SEP = b'{"query":', b',"decision":'
+_WINDOW_FIELD = b',"window":'
+
+
+def decision_bytes(d: Decision, windows: dict[int, bytes]) -> bytes:
+    """``d.model_dump_json(exclude_none=True)``, encoded, with its ``window`` (the last
+    field) serialised once per ``WindowStats`` object: ``windows`` (id -> JSON) remembers
+    it. Keep one ``windows`` for decisions that stay alive together (one window's, which
+    share their stats), so no id is reused by another object while it is kept."""
+    if d.window is None:
+        return d.model_dump_json(exclude_none=True).encode()
+    key = id(d.window)
+    window = windows.get(key)
+    if window is None:
+        window = windows[key] = d.window.model_dump_json(exclude_none=True).encode()
+    head = d.model_dump_json(exclude_none=True, exclude={"window"}).encode()
+    return head[:-1] + _WINDOW_FIELD + window + b"}"
 
 
 def routed_query_bytes(raw_query: bytes, decision_json: bytes) -> bytes:

@@ -129,4 +129,23 @@ def validate_model(
 
 
 def parse_query(raw: bytes | None, limits: Limits = Limits()) -> Query:
-    return parse_model(Query, raw, limits, "query")
+    """``parse_model(Query, ...)``, through pydantic's own JSON parser when ``raw`` is
+    plainly within the limits (``_fast_query``): the same query, at about half the cost."""
+    fast = _fast_query(raw, limits)
+    return fast if fast is not None else parse_model(Query, raw, limits, "query")
+
+
+def _fast_query(raw: bytes | None, limits: Limits) -> Query | None:
+    """The query in ``raw`` by ``Query.model_validate_json``, or None: then the full path
+    (``decode_json``, whose checks this skips only where they cannot fail) decides, and
+    names what is wrong. Taken only with no ``\\u`` escape in the bytes (a lone surrogate
+    must be refused) and fewer brackets than the depth cap (each level opens one, so the
+    nesting is within it); any failure falls back."""
+    if type(raw) is not bytes or len(raw) > limits.max_message_bytes or b"\\u" in raw:
+        return None
+    if raw.count(b"{") + raw.count(b"[") + 1 > limits.max_json_depth:
+        return None
+    try:
+        return Query.model_validate_json(raw, context={"max_prompt_bytes": limits.max_prompt_bytes})
+    except (ValidationError, ValueError, RecursionError, OverflowError):
+        return None

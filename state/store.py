@@ -29,6 +29,7 @@ from redis.exceptions import (
     AskError,
     ClusterError,
     NoScriptError,
+    OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
     RedisError,
@@ -96,7 +97,8 @@ class StateUnavailable(RuntimeError):
 # TRYAGAIN, a slot no primary serves yet, redirections that do not settle: ClusterError
 # "TTL exhausted"); a write reached a primary demoted to a replica (READONLY); a node still
 # loading its AOF (LOADING, a ConnectionError in redis-py); a primary that refuses writes
-# under ``min-replicas-to-write`` until a replica is back (NOREPLICAS). Each is a
+# under ``min-replicas-to-write`` until a replica is back (NOREPLICAS); a full Redis under
+# ``noeviction`` (OOM, docs/deploy.md). Each is a
 # ``StateUnavailable``, so routers route blind and workers skip best-effort writes, as for
 # a Redis that is down. Before, only the first kind was: during a Redis Cluster failover
 # the others reached a worker as failures of the message's own, and lost queries
@@ -110,6 +112,7 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     SlotNotCoveredError,
     ReadOnlyError,
     AskError,  # MovedError too: a redirection the client could not follow
+    OutOfMemoryError,  # maxmemory with noeviction: writes refused until TTLs free memory
 )
 
 
@@ -435,9 +438,7 @@ class StateStore:
                     return await awaitable
             return await awaitable
         except Exception as exc:
-            if isinstance(exc, StateConfigError) or not unavailable(
-                exc, cluster=self._cluster
-            ):
+            if isinstance(exc, StateConfigError) or not unavailable(exc, cluster=self._cluster):
                 raise
             raise StateUnavailable(
                 f"Redis at {self.display_url} unavailable during {op}: {type(exc).__name__}: {exc}"
@@ -672,7 +673,6 @@ class StateStore:
             if rec is not None:
                 steps[m] = rec
         return out, steps
-
 
     def _residents_cached(self, instance_id: str, raw: Mapping[str, str]) -> list[ResidentRequest]:
         """Parse residents, reusing the (frozen) objects whose record did not change since the

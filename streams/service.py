@@ -68,6 +68,7 @@ from schemas import (
     Query,
     Result,
     ResultCode,
+    decision_bytes,
     parse_query,
     routed_query_bytes,
 )
@@ -789,6 +790,7 @@ class RouterService:
         """Stage 5: the route message and the Decision of each routed query; its intent."""
         intents: dict[str, RouteIntent] = {}
         counted: list[tuple[Decision, Query]] = []
+        windows: dict[int, bytes] = {}  # each WindowStats' JSON, once (schemas.decision_bytes)
         for p, d in routed:
             q = p.query
             update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
@@ -800,7 +802,7 @@ class RouterService:
                 update["reason"] = f"{why}; {d.reason}" if d.reason else why
             d = d.model_copy(update=update)
             instance_id = str(d.instance_id)
-            dec_json = d.model_dump_json(exclude_none=True).encode()
+            dec_json = decision_bytes(d, windows)
             routed_bytes = routed_query_bytes(p.raw, dec_json)
             key = q.id.encode()
             out.outs.append((topics.route(instance_id), key, routed_bytes))

@@ -19,7 +19,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +71,12 @@ def build_report(
     lam_per_usd: float = 0.0,
     budget_usd: float | None = None,
     duration_s: float = 0.0,
+    score_as: Mapping[str, str] | None = None,
 ) -> ReplayReport:
-    """The simulator's figures over what the service really did."""
+    """The simulator's figures over what the service really did. ``score_as``: the data
+    column a served model is scored by (the cluster's ``quality_as``), else its own name."""
     col = {m: j for j, m in enumerate(models)}
+    col.update({m: col[key] for m, key in (score_as or {}).items() if key in col})
     n = len(records)
     utility = np.zeros(n)
     on_time = np.zeros(n, dtype=bool)
@@ -345,6 +348,15 @@ async def replay(
     return records, data, elapsed
 
 
+def _score_as(cluster: Path | None) -> dict[str, str]:
+    """Each cluster model's ``quality_as`` (the data column it is scored by)."""
+    if cluster is None:
+        return {}
+    from schemas import ClusterConfig
+
+    return {m.name: m.quality_as for m in ClusterConfig.from_file(cluster).models if m.quality_as}
+
+
 def _budget_of(cluster: Path | None, tenant: str) -> float | None:
     if cluster is None:
         return None
@@ -412,8 +424,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         report = build_report(
-            records, rdata.scores, rdata.models, lam, _budget_of(cluster, tenant), elapsed
-        )
+            records, rdata.scores, rdata.models, lam, _budget_of(cluster, tenant), elapsed,
+            score_as=_score_as(cluster),
+        )  # fmt: skip
         print_report(report)
         if out is not None:
             out.write_text(json.dumps(report.as_dict(), indent=2))

@@ -399,10 +399,17 @@ async def test_redis_primary_kill9_replica_promoted(rig: Rig) -> None:
                 break
             await asyncio.sleep(0.2)
         await asyncio.to_thread(clusters.restart_node, victim, rig.home)
+        t_restart, rejoined = time.monotonic(), None
+        while time.monotonic() - t_restart < 20:  # it answers as a primary until gossip demotes it
+            if clusters.redis_role(victim.address) == "slave":
+                rejoined = round(time.monotonic() - t_restart, 1)
+                break
+            await asyncio.sleep(0.2)
         return {
             "killed_primary": victim.name,
             "cluster_ok_again_s": round(healed, 1) if healed else None,
             "old_primary_role_after_restart": clusters.redis_role(victim.address),
+            "old_primary_replica_again_s": rejoined,
             # how far its replica was behind just before the kill: what a promotion could lose
             "replica_lag_at_kill_bytes": lag,
         }

@@ -52,3 +52,11 @@ def test_report_counts_utility_only_on_time() -> None:
     assert rep.spend_usd == pytest.approx(0.03)
     assert rep.ttft_p50_ms == pytest.approx(2550.0)
     assert rep.per_instance["i"]["queries"] == 3 and rep.per_instance["i"]["errors"] == 1
+
+
+def test_a_model_served_under_another_name_is_scored_by_its_quality_as_column() -> None:
+    scores = np.array([[0.9, 0.5]])
+    recs = [ReplayRecord("q0", 0, 1000.0, 0.0, _result("q0", "tiny-b", 100.0, 0.0))]
+    assert build_report(recs, scores, ["a", "b"]).mean_utility == 0.0  # no column: 0
+    rep = build_report(recs, scores, ["a", "b"], score_as={"tiny-b": "b"})
+    assert rep.mean_utility == pytest.approx(0.5)

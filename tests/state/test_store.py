@@ -527,6 +527,7 @@ def test_what_a_failing_over_cluster_answers_is_unavailable_not_a_bug() -> None:
         rx.ReadOnlyError("READONLY You can't write against a read only replica."),
         rx.MovedError("3999 127.0.0.1:6381"),
         rx.ResponseError("NOREPLICAS Not enough good replicas to write."),
+        rx.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'."),
         cannot_connect,
         ConnectionRefusedError(111, "Connection refused"),
     ]:

@@ -1,0 +1,184 @@
+"""Live TTFT validation on a REAL vLLM server: SFS, the simulated engine and the throughput
+baseline against measured TTFTs (issue 18 item 4).
+
+    flock /work/locks/vllm .venv/bin/python bench/real_vllm.py [--quick] [--out FILE]
+
+Starts one real vLLM server (instance ``wide-0`` of configs/clusters/real-vllm-cpu.yaml,
+``switchyard.vllm_servers``), then per trace (Azure LLM 2023 conv and code, vendored first
+4,000 rows; prompt lengths x ``--prompt-scale``, output lengths x ``--output-scale`` capped at
+the model's ``max_output_tokens``, so they fit its ``max_model_len``):
+
+1. capacity: ``--burst`` requests sent at once, completed requests per second;
+2. per load level (30/60/90% of that capacity): ``--n`` requests whose arrival times are the
+   trace's own, rescaled to the level's rate, sent DIRECTLY to the server
+   (``offline.vllm_replay.replay``); each request's TTFT (send to first streamed token) and
+   the snapshot a worker would have reported when it was sent (requests in flight, prefilled
+   or not, tokens streamed so far);
+3. ``offline.vllm_replay.evaluate``: SFS on those snapshots with the cluster config's profile
+   (predicted output lengths = mean of the requests finished so far; and the real lengths),
+   the simulated engine (the profile's table) on the same send times, the throughput rule;
+   then SFS again with two vLLM rules it leaves out: a request sent to a busy engine waits
+   for the step in flight (half a step on average), and the server's own time outside
+   engine steps (API process, IPC, streaming), measured as the median gap between 8 lone
+   requests' TTFT and their Eq. 9 prefill before the replays.
+
+Prints one JSON object (and writes it to ``--out``) with MAPE per trace and load level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from offline.vllm_replay import ReplayRequest, evaluate, measure_capacity, replay  # noqa: E402
+from routing.profiles import load_profile  # noqa: E402
+from schemas import ClusterConfig  # noqa: E402
+from sim.timing import TableTiming  # noqa: E402
+from sim.traffic import load_trace  # noqa: E402
+from switchyard import vllm_servers  # noqa: E402
+from wiring.paths import vendored_data  # noqa: E402
+
+INSTANCE = "wide-0"
+LEVELS = (0.3, 0.6, 0.9)
+
+
+def requests_of(
+    trace: str, n: int, prompt_scale: float, output_scale: float, max_out: int, max_len: int,
+    offset: int = 0,
+) -> tuple[list[ReplayRequest], np.ndarray]:  # fmt: skip
+    t = load_trace(vendored_data("profiles", "traces", f"azure_llm_2023_{trace}_first4000.csv.gz"))
+    sl = slice(offset, offset + n)
+    out = np.clip(np.round(t.output_tokens[sl] * output_scale), 1, max_out).astype(int)
+    cap = max_len - out - 8
+    prompt = np.clip(np.round(t.input_tokens[sl] * prompt_scale), 8, cap).astype(int)
+    arr = t.arrival_s[sl] - t.arrival_s[sl][0]
+    reqs = [
+        ReplayRequest(f"{trace}-{offset + i}", float(arr[i]), int(prompt[i]), int(out[i]))
+        for i in range(len(prompt))
+    ]
+    return reqs, arr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests per level")
+    ap.add_argument("--n", type=int, default=80, help="requests per load level")
+    ap.add_argument("--burst", type=int, default=32, help="requests in the capacity burst")
+    ap.add_argument("--prompt-scale", type=float, default=0.125)
+    ap.add_argument("--output-scale", type=float, default=0.25)
+    ap.add_argument("--traces", default="conv,code")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--keep-records", type=Path, default=None, help="write per-request records")
+    args = ap.parse_args()
+    if args.quick:
+        args.n, args.burst = 30, 16
+
+    cluster = ClusterConfig.from_file(vllm_servers.DEFAULT_CLUSTER)
+    inst = next(i for i in cluster.instances if i.id == INSTANCE)
+    spec = next(m for m in cluster.models if m.name == inst.model)
+    if spec.profile is None or spec.max_model_len is None:
+        raise SystemExit(f"{INSTANCE}: its model needs a profile and max_model_len")
+    model = load_profile(spec.profile)
+    timing = TableTiming.from_profile(spec.profile)
+    sched = spec.scheduler
+    one = cluster.model_copy(update={"instances": [inst]})
+    home = Path(tempfile.mkdtemp(prefix="real-vllm-bench-"))
+    t_start = time.time()
+    result: dict[str, Any] = {
+        "instance": INSTANCE,
+        "model": spec.name,
+        "profile": spec.profile,
+        "load_average_start": [round(v, 2) for v in os.getloadavg()],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "keep_records")},
+        "traces": {},
+    }
+    all_records: list[dict[str, Any]] = []
+    records_srv = vllm_servers.vllm_up(one, home=home, free_ports=True)
+    try:
+        endpoint = records_srv[0].address
+        result["server_ready_s"] = records_srv[0].extra.get("ready_s")
+        for trace in args.traces.split(","):
+            burst, _ = requests_of(
+                trace, args.burst, args.prompt_scale, args.output_scale,
+                spec.max_output_tokens or 256, spec.max_model_len, offset=1000,
+            )  # fmt: skip
+            cap = measure_capacity(endpoint, spec.name, burst)
+            # the server's own time beyond engine steps: lone requests, one after another
+            lone, _ = requests_of(
+                trace, 8, args.prompt_scale, args.output_scale,
+                spec.max_output_tokens or 256, spec.max_model_len, offset=2000,
+            )  # fmt: skip
+            gaps = []
+            for r in lone:
+                rec = asyncio.run(replay(endpoint, spec.name, [r], seed=7))[0]
+                if not rec.error:
+                    gaps.append(rec.ttft_s * 1e3 - float(model.prefill_ms(r.prompt_tokens)))
+            overhead = float(np.median(gaps)) if gaps else 0.0
+            tr: dict[str, Any] = {
+                "capacity_rps": round(cap, 3),
+                "overhead_ms": round(overhead, 1),
+                "lone_gaps_ms": [round(g, 1) for g in gaps],
+                "levels": {},
+            }
+            for k, level in enumerate(LEVELS):
+                reqs, arr = requests_of(
+                    trace, args.n, args.prompt_scale, args.output_scale,
+                    spec.max_output_tokens or 256, spec.max_model_len, offset=k * args.n,
+                )  # fmt: skip
+                span = float(arr[-1]) if arr[-1] > 0 else 1.0
+                rate = level * cap
+                stretch = (len(reqs) - 1) / rate / span
+                timed = [
+                    ReplayRequest(
+                        r.request_id, r.arrival_s * stretch, r.prompt_tokens, r.output_tokens
+                    )
+                    for r in reqs
+                ]
+                la = os.getloadavg()[0]
+                recs = asyncio.run(replay(endpoint, spec.name, timed, seed=k))
+                ev = evaluate(recs, model, sched, engine_timing=timing)
+                ev["with_step_in_flight"] = {
+                    k: v
+                    for k, v in evaluate(recs, model, sched, step_in_flight=True).items()
+                    if k.startswith(("mape_sfs", "mean_ms_sfs"))
+                }
+                ev["with_step_in_flight_and_overhead"] = {
+                    k: v
+                    for k, v in evaluate(
+                        recs, model, sched, step_in_flight=True, overhead_ms=overhead
+                    ).items()
+                    if k.startswith(("mape_sfs", "mean_ms_sfs"))
+                }
+                ev["rate_rps"] = round(rate, 3)
+                ev["load_average_1m"] = round(la, 2)
+                ev["mean_prompt_tokens"] = round(float(np.mean([r.prompt_tokens for r in reqs])), 1)
+                ev["mean_output_tokens"] = round(float(np.mean([r.output_tokens for r in reqs])), 1)
+                tr["levels"][f"{int(level * 100)}%"] = ev
+                all_records += [dict(r.as_dict(), trace=trace, level=level) for r in recs]
+                print(json.dumps({trace: {f"{int(level * 100)}%": ev}}), file=sys.stderr)
+            result["traces"][trace] = tr
+    finally:
+        vllm_servers.vllm_down(home)
+    result["wall_s"] = round(time.time() - t_start, 1)
+    result["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.keep_records:
+        args.keep_records.write_text("\n".join(json.dumps(r) for r in all_records) + "\n")
+
+
+if __name__ == "__main__":
+    main()

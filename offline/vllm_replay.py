@@ -1,0 +1,241 @@
+"""Replay timed requests into a real vLLM server and record what a router would have seen.
+
+:func:`replay` sends each request to an OpenAI-compatible ``/v1/completions`` endpoint at its
+arrival time (streaming, ``ignore_eos`` so output lengths are exact, prompts as token ids so
+prompt lengths are exact, ``continuous_usage_stats`` so every chunk carries the tokens
+generated so far) and returns one :class:`ReplayRecord` per request: its real TTFT (send to
+first streamed token) and the instance snapshot at the moment it was sent, built the way a
+worker builds it from its own streams: every request in flight on that server, with its
+prompt, whether its first token has come back (prefilled) and the tokens streamed so far.
+
+:func:`evaluate` (pure) prices those snapshots with SFS (predicted and real output lengths),
+runs the simulated engine on the same send times, and the throughput baseline, and gives the
+MAPE of each against the measured TTFTs. ``bench/real_vllm.py`` drives both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from routing.sfs import standalone_ttft_ms
+from routing.steptime import StepTimeModel
+from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
+from routing.types import InstanceState
+from schemas import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    request_id: str
+    arrival_s: float  # relative to the replay's start
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class ReplayRecord:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    sent_s: float = 0.0  # relative to the replay's start
+    ttft_s: float = float("nan")
+    e2e_s: float = float("nan")
+    generated_tokens: int = 0
+    error: str = ""
+    # the snapshot at send: per resident [prompt, prefilled, decoded, real output length]
+    residents: list[list[int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _InFlight:
+    prompt: int
+    output: int
+    first: bool = False
+    decoded: int = 0
+
+
+async def replay(
+    endpoint: str,
+    model: str,
+    requests: list[ReplayRequest],
+    *,
+    vocab_size: int = 8192,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+) -> list[ReplayRecord]:
+    """Send ``requests`` at their arrival times to ``endpoint``; one record each, in order."""
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(10, vocab_size - 10) for _ in range(r.prompt_tokens)] for r in requests
+    ]
+    inflight: dict[str, _InFlight] = {}
+    records = [
+        ReplayRecord(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in requests
+    ]
+    url = endpoint.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.monotonic()
+
+        async def one(i: int) -> None:
+            r, rec = requests[i], records[i]
+            delay = t0 + r.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec.residents = [
+                [f.prompt, f.prompt if f.first else 0, f.decoded, f.output]
+                for f in inflight.values()
+            ]
+            me = inflight[r.request_id] = _InFlight(r.prompt_tokens, r.output_tokens)
+            body = {
+                "model": model,
+                "prompt": prompts[i],
+                "max_tokens": r.output_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "temperature": 0.0,
+            }
+            sent = time.monotonic()
+            rec.sent_s = sent - t0
+            try:
+                async with client.stream("POST", url, json=body) as resp:
+                    if resp.status_code != 200:
+                        rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                        return
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or {}
+                        n = int(usage.get("completion_tokens") or 0)
+                        if n >= 1 and not me.first:
+                            me.first = True
+                            rec.ttft_s = time.monotonic() - sent
+                        me.decoded = max(me.decoded, n)
+                rec.e2e_s = time.monotonic() - sent
+                rec.generated_tokens = me.decoded
+            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+                rec.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                inflight.pop(r.request_id, None)
+
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+    return records
+
+
+def measure_capacity(
+    endpoint: str, model: str, requests: list[ReplayRequest], *, vocab_size: int = 8192
+) -> float:
+    """Completed requests per second when all of ``requests`` arrive at once (saturation)."""
+    burst = [ReplayRequest(r.request_id, 0.0, r.prompt_tokens, r.output_tokens) for r in requests]
+    t0 = time.monotonic()
+    recs = asyncio.run(replay(endpoint, model, burst, vocab_size=vocab_size, seed=1))
+    span = time.monotonic() - t0
+    bad = [r for r in recs if r.error]
+    if bad:
+        raise RuntimeError(f"capacity run: {len(bad)} request(s) failed, first: {bad[0].error}")
+    return len(recs) / span
+
+
+# ---- evaluation (pure) -----------------------------------------------------------------------
+
+
+def _state(residents: list[list[int]], predicted: int | None) -> InstanceState:
+    if not residents:
+        return InstanceState.empty()
+    a = np.asarray(residents, dtype=np.int64)
+    out = a[:, 3] if predicted is None else np.full(a.shape[0], predicted, dtype=np.int64)
+    return InstanceState(a[:, 0], a[:, 1], a[:, 2], np.maximum(out, a[:, 2] + 1))
+
+
+def in_flight_ms(residents: list[list[int]], model: StepTimeModel, sched: SchedulerConfig) -> float:
+    """Expected remainder of the step in flight when a request arrives: half its Eq. 9 time.
+
+    vLLM admits a new request only at the next step, so an arrival at a uniformly random
+    moment of a busy engine waits half a step on average. The step is the residents' next
+    one: their decodes plus as much waiting prompt as the token budget leaves.
+    """
+    if not residents:
+        return 0.0
+    a = np.asarray(residents, dtype=np.int64)
+    decoding = a[:, 1] >= a[:, 0]
+    n_dec = int(decoding.sum())
+    ctx = float((a[decoding, 0] + a[decoding, 2]).sum())
+    waiting = int((a[~decoding, 0] - a[~decoding, 1]).sum())
+    chunk = min(waiting, max(0, sched.max_num_batched_tokens - n_dec))
+    t = model.step_ms(n_dec + chunk, ctx, float(chunk) * chunk / 2.0)
+    return 0.5 * float(t)
+
+
+def evaluate(
+    records: list[ReplayRecord],
+    model: StepTimeModel,
+    sched: SchedulerConfig,
+    *,
+    engine_timing: Any = None,
+    overhead_ms: float = 0.0,
+    step_in_flight: bool = False,
+    default_output_tokens: int = 64,
+) -> dict[str, Any]:
+    """MAPE against the measured TTFTs: SFS on each snapshot (predicted lengths = the mean
+    output of requests finished before it was sent; and the real lengths), the simulated
+    engine on the same send times (``engine_timing``: a ``sim.timing`` source), and the
+    throughput baseline. ``overhead_ms`` is added to every estimate (the server's own time
+    outside engine steps, e.g. its API process). ``step_in_flight``: a request sent while the
+    engine is busy first waits for the step in flight (:func:`in_flight_ms`)."""
+    from sim.engine import SimEngine
+
+    ok = [r for r in records if not r.error and np.isfinite(r.ttft_s)]
+    if not ok:
+        raise ValueError("no request finished without an error")
+    real = np.array([r.ttft_s * 1e3 for r in ok])
+    tput = prefill_tokens_per_s(model, sched)
+    sfs_pred, sfs_real, thr = (np.zeros(len(ok)) for _ in range(3))
+    done_sorted = sorted((r.sent_s + r.e2e_s, r.generated_tokens) for r in ok)
+    for i, r in enumerate(ok):
+        fin = [g for t, g in done_sorted if t <= r.sent_s]
+        pred = round(float(np.mean(fin))) if fin else default_output_tokens
+        p = np.array([r.prompt_tokens], dtype=np.int64)
+        delay = in_flight_ms(r.residents, model, sched) if step_in_flight else 0.0
+        sfs_pred[i] = standalone_ttft_ms(
+            _state(r.residents, pred), p, model, sched, start_delay_ms=delay
+        )[0]
+        sfs_real[i] = standalone_ttft_ms(
+            _state(r.residents, None), p, model, sched, start_delay_ms=delay
+        )[0]
+        thr[i] = throughput_ttft_ms(_state(r.residents, None), p, tput)[0]
+    out: dict[str, Any] = {"n": len(ok), "errors": len(records) - len(ok)}
+    est = {"sfs_predicted": sfs_pred, "sfs_real_lengths": sfs_real, "throughput_baseline": thr}
+    if engine_timing is not None:
+        eng = SimEngine(engine_timing, sched, 0)
+        order = sorted(range(len(ok)), key=lambda k: ok[k].sent_s)
+        for k in order:
+            r = ok[k]
+            eng.advance_to(r.sent_s)
+            eng.submit(str(k), r.sent_s, r.prompt_tokens, r.output_tokens, r.output_tokens)
+        eng.run_until_idle()
+        sim = np.zeros(len(ok))
+        for f in eng.finished:
+            sim[int(f.request_id)] = f.ttft_s * 1e3
+        est["sim_engine"] = sim
+    for name, v in est.items():
+        e = v + overhead_ms
+        out[f"mape_{name}"] = round(float(np.mean(np.abs(e - real) / real)), 4)
+        out[f"mean_ms_{name}"] = round(float(e.mean()), 1)
+    out["mean_ms_real"] = round(float(real.mean()), 1)
+    out["p50_ms_real"] = round(float(np.median(real)), 1)
+    return out
