@@ -110,7 +110,7 @@ def prepare(
     slo = np.fromiter((remaining_slo_ms(q, now) for q in queries), np.float64, n)
     qmodels = list(ctx.quality.models)
     col_of = {name: j for j, name in enumerate(qmodels)}
-    key_of = {m.name: m.predictor_key for m in ctx.cluster.models}  # ModelSpec.quality_as
+    key_of = ctx.predictor_keys  # ModelSpec.quality_as
     usable = np.array([key_of.get(v.model) in col_of for v in views], dtype=np.bool_)
     cols = np.array([col_of.get(key_of.get(v.model, v.model), 0) for v in views], dtype=np.int64)
     if n and K:
@@ -276,7 +276,7 @@ def _output_tokens(
                 f"length predictor returned shape {pred.shape}, expected {(n, len(lm))}"
             )
         by_model = {name: pred[:, j] for j, name in enumerate(lm)}
-    key_of = {m.name: m.predictor_key for m in ctx.cluster.models}  # ModelSpec.quality_as
+    key_of = ctx.predictor_keys
     for j, v in enumerate(views):
         key = key_of.get(v.model, v.model)
         if key in by_model:

@@ -193,8 +193,11 @@ class RouterContext:
     lam_per_usd: float = 0.0
     report_ttft: bool = True  # False: latency-blind policies skip the SFS TTFT they report
     prefix_aware: bool = True
+    # each cluster model's name in the predictors (``ModelSpec.quality_as``, else its own)
+    predictor_keys: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.predictor_keys = {m.name: m.predictor_key for m in self.cluster.models}
         if not math.isfinite(self.lam_per_usd) or self.lam_per_usd < 0:
             raise ValueError(f"lam_per_usd must be a finite number >= 0, got {self.lam_per_usd}")
         known = set(self.quality.models)
