@@ -45,6 +45,7 @@ from schemas import ClusterConfig  # noqa: E402
 from sim.traffic import load_trace  # noqa: E402
 from switchyard import vllm_servers  # noqa: E402
 from wiring.paths import vendored_data  # noqa: E402
+from wiring.sse import SSEParser, interpret  # noqa: E402
 from workers.realtime import parse_coefficients  # noqa: E402
 from workers.steptime_feed import StepTimeFeed  # noqa: E402
 
@@ -85,20 +86,22 @@ async def _one(
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or {}
-                texts = [c.get("text") for c in chunk.get("choices") or []]
-                # vLLM's continuous usage counts tokens; a server without it: one per chunk
-                n = int(usage.get("completion_tokens") or (decoded + int(any(texts))))
-                if n > decoded:
-                    now = time.time()
-                    if first is None:
-                        first = now
-                    decoded = n
-                    feed.progress(rec.qid, decoded, now)
+            parser = SSEParser()
+            async for text in resp.aiter_text():
+                for payload in parser.feed(text):
+                    chunk = interpret(payload, chat=False)
+                    if chunk.error:
+                        rec.error = chunk.error
+                        return
+                    usage = chunk.usage or {}
+                    # vLLM's continuous usage counts tokens; a server without it: one per chunk
+                    n = int(usage.get("completion_tokens") or (decoded + int(bool(chunk.text))))
+                    if n > decoded:
+                        now = time.time()
+                        if first is None:
+                            first = now
+                        decoded = n
+                        feed.progress(rec.qid, decoded, now)
     except httpx.HTTPError as exc:
         rec.error = repr(exc)
     finally:

@@ -16,7 +16,6 @@ MAPE of each against the measured TTFTs. ``bench/real_vllm.py`` drives both.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from routing.steptime import StepTimeModel
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
 from routing.types import InstanceState
 from schemas import SchedulerConfig
+from wiring.sse import SSEParser, interpret
 
 
 @dataclass(frozen=True)
@@ -116,19 +116,20 @@ async def replay(
                     if resp.status_code != 200:
                         rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                         return
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        usage = chunk.get("usage") or {}
-                        n = int(usage.get("completion_tokens") or 0)
-                        if n >= 1 and not me.first:
-                            me.first = True
-                            rec.ttft_s = time.monotonic() - sent
-                        me.decoded = max(me.decoded, n)
+                    parser = SSEParser()
+                    async for text in resp.aiter_text():
+                        for payload in parser.feed(text):
+                            chunk = interpret(payload, chat=False)
+                            if chunk.error:
+                                raise ValueError(chunk.error)
+                            n = int((chunk.usage or {}).get("completion_tokens") or 0)
+                            if n >= 1 and not me.first:
+                                me.first = True
+                                rec.ttft_s = time.monotonic() - sent
+                            me.decoded = max(me.decoded, n)
                 rec.e2e_s = time.monotonic() - sent
                 rec.generated_tokens = me.decoded
-            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+            except (httpx.HTTPError, ValueError) as exc:
                 rec.error = f"{type(exc).__name__}: {exc}"
             finally:
                 inflight.pop(r.request_id, None)

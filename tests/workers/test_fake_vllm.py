@@ -17,10 +17,10 @@ from aiohttp import web
 
 from schemas import Query, StepTimeCoefficients
 from switchyard.services import free_port
+from wiring.sse import SSEParser
 from workers.backends.base import GenerationRequest
 from workers.backends.vllm import VllmBackend, VllmConfig
 from workers.fake_vllm import FakeVllmConfig, RunningServer, build_server, start_server
-from workers.sse import SSEParser
 
 COEF = StepTimeCoefficients(
     c0_ms=2.0, c1_ms_per_token=0.01, c2_ms_per_ctx_token=0.0, c3_ms_per_attn_unit=0.0

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from schemas import Query
+from wiring.sse import SSEParser, error_message, interpret
 from workers.backends.base import (
     EngineLoad,
     EngineUnavailable,
@@ -29,7 +30,6 @@ from workers.backends.base import (
     ProgressFn,
     TextFn,
 )
-from workers.sse import SSEParser, error_message, interpret
 
 log = logging.getLogger(__name__)
 

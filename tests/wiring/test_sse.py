@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.sse import SSEParser, error_message, interpret
+from wiring.sse import SSEParser, error_message, interpret
 
 STREAM = (
     ": keep-alive\n\n"
