@@ -13,6 +13,9 @@ an error Result carrying vLLM's 400 message. Also: the real ``openai`` SDK again
 Workers against the real servers: one configured for the other model refuses to start
 (exit 1, no heartbeat), and one whose server is frozen (SIGSTOP) drops its instance from
 the live set within a heartbeat and a health-probe timeout, and is back once it answers.
+Last (its server stays dead): reliability scenario 11 on real servers, a server frozen for
+10 s and then ``SIGKILL``'d mid-stream under traffic: one Result per query within its
+deadline, the instance out of the live set within two heartbeats each time.
 
 Slow (servers take ~35-180 s to load); ``make test`` runs this module last (marker ``vllm``).
 """
@@ -283,14 +286,18 @@ async def test_workers_refuse_another_model_and_follow_a_frozen_engine(
 N_KILL_QUERIES = 40
 
 
-async def test_a_real_server_killed_mid_stream_answers_every_query_and_leaves_the_live_set(
+async def test_a_real_server_frozen_then_killed_mid_stream_answers_every_query(
     real_servers: ClusterConfig, vllm_home: Path, kafka_bootstrap: str, redis_url: str,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    """Scenario 11's ``kill -9`` on a real server (last in this module: its server stays dead).
+    """Scenario 11's freeze and ``kill -9`` on a real server (last in this module: its server
+    stays dead).
 
     Router and one worker per real server; 40 queries; once the first Result of the victim's
-    instance is out, its vLLM server's process group is ``SIGKILL``'d. Every query gets
+    instance is out, its vLLM server's process group is frozen (``SIGSTOP``) for 10 s, mid
+    stream; the instance must leave the live set within a heartbeat and the health probe's
+    timeout, and come back once it answers. Then 20 more queries, and at the victim's next
+    Result its server's process group is ``SIGKILL``'d. Every query gets
     exactly one Result (answered, or an error Result from the victim's worker for the
     streams the kill cut) within its deadline; the instance leaves the live set within two
     heartbeats plus the health probe's timeout; queries sent after that all go to the other.
@@ -365,6 +372,31 @@ async def test_a_real_server_killed_mid_stream_answers_every_query_and_leaves_th
             async with asyncio.timeout(deadline_s):  # the victim's first answer: it is streaming
                 while not any(r.instance_id == victim for rs in results.values() for _, r in rs):
                     await drain()
+            os.killpg(server.pid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                async with asyncio.timeout(20):
+                    while (await store.snapshots([victim], time.time()))[victim].alive:
+                        await drain(50)
+                frozen_out_s = time.monotonic() - frozen_at
+                while time.monotonic() - frozen_at < 10.0:
+                    await drain(200)
+            finally:
+                os.killpg(server.pid, signal.SIGCONT)
+            thawed = time.monotonic()
+            async with asyncio.timeout(30):
+                while not (await store.snapshots([victim], time.time()))[victim].alive:
+                    await drain(50)
+            back_s = time.monotonic() - thawed
+            seen = {q for q, rs in results.items() if rs[0][1].instance_id == victim}
+            await send("c", 20)
+            async with asyncio.timeout(deadline_s):  # streaming again
+                while not any(
+                    r.instance_id == victim and q not in seen
+                    for q, rs in results.items()
+                    for _, r in rs
+                ):
+                    await drain()
             os.killpg(server.pid, signal.SIGKILL)
             killed = time.monotonic()
             async with asyncio.timeout(30):
@@ -393,6 +425,10 @@ async def test_a_real_server_killed_mid_stream_answers_every_query_and_leaves_th
             (final[q].instance_id, final[q].error) for q in after
         ]
         print(
+            f"real vLLM frozen 10 s: out of the live set after {frozen_out_s:.2f} s, back "
+            f"{back_s:.2f} s after SIGCONT"
+        )
+        print(
             f"real vLLM killed: instance out of the live set {down_s:.2f} s after the kill; "
             f"{sum(1 for r in final.values() if r.instance_id == victim)} answered by it "
             f"({len(cut)} error Results from the cut streams), "
@@ -400,6 +436,7 @@ async def test_a_real_server_killed_mid_stream_answers_every_query_and_leaves_th
             f"{max(t - sent[q] for q, [(t, _)] in results.items()):.1f} s of {deadline_s:.0f} s"
         )
         # two heartbeats plus the health probe's 1 s timeout, with room for a loaded CI
+        assert frozen_out_s < 2 * heartbeat_s + 1.0 + 3.0
         assert down_s < 2 * heartbeat_s + 1.0 + 3.0
     finally:
         procs.stop_all()
