@@ -103,6 +103,23 @@ class RedisClaims(RedisCore):
         """
         return await self._claims(instance_id, query_ids, "rerouted", rescuer_id, 1.0, ttl_s)
 
+    async def claim_returned(
+        self,
+        instance_id: str,
+        query_ids: Sequence[str],
+        rescuer_id: str,
+        *,
+        ttl_s: float = CLAIM_TTL_S,
+    ) -> list[ClaimOutcome]:
+        """Drop claims whose re-routed copy went back to ``instance_id`` itself (it came back
+        before the window that re-routed it): its worker runs one of its copies.
+
+        A ``rerouted`` mark there would make that worker skip every copy of the query on it,
+        the re-routed one included (the claim is per instance and query). ``won``: dropped.
+        ``lost``: the rescuer no longer held the claim (its lease lapsed, the worker took it).
+        """
+        return await self._claims(instance_id, query_ids, "returned", rescuer_id, 1.0, ttl_s)
+
     async def claim_state(self, instance_id: str, query_id: str) -> str | None:
         """The raw claim value (``run``, ``rescue <id> <ms>``, ``rerouted <id>``) or None."""
         raw = await self._call("claim_state", self._r.get(self.keys.claim(instance_id, query_id)))

@@ -222,6 +222,15 @@ class Claims(Protocol):
         self, instance_id: str, query_ids: Sequence[str], rescuer_id: str, *, ttl_s: float = ...
     ) -> list[ClaimOutcome]: ...
 
+    async def claim_returned(
+        self,
+        instance_id: str,
+        query_ids: Sequence[str],
+        rescuer_id: str,
+        *,
+        ttl_s: float = ...,
+    ) -> list[ClaimOutcome]: ...
+
     async def claim_state(self, instance_id: str, query_id: str) -> str | None: ...
 
 

@@ -24,6 +24,12 @@ router process, on a timer:
    its ``Decision`` is flagged ``REROUTED``;
 5. once Kafka acknowledged the re-routed copy (or the query's final error), the claim is
    marked ``rerouted`` in Redis: final, the old instance's worker skips its copy for good.
+   Unless the copy went back to the old instance itself (it came back, e.g. a worker
+   restarted after ``kill -9``, before the window that re-routed it, and the policy chose
+   it again): then the claim is dropped instead (``StateStore.claim_returned``) and that
+   instance's worker runs one of its two copies and skips the other as a duplicate. A
+   ``rerouted`` mark there would have it skip both: the claim is per instance and query
+   (bug 21 in docs/reliability.md).
 
 Crash safety: a rescuer holds its claims on a lease (``lease_s``) it renews every tick
 while the query waits in the service. A router that dies before the re-routed copy is
@@ -177,6 +183,7 @@ def to_pending(
     now: float,
     on_done: Callable[[Inbound], None],
     wanted: Callable[[], bool] = lambda: True,
+    routed: Callable[[str], None] = lambda _instance_id: None,
 ) -> Pending:
     """The ``Pending`` that ``RouterService.adopt`` takes for a claimed copy.
 
@@ -194,7 +201,7 @@ def to_pending(
         partition=s.copy.partition,
         offset=s.copy.offset,
         timestamp_s=None,
-        handle=Adopted(on_done, wanted),
+        handle=Adopted(on_done, wanted, routed),
     )
     return Pending(
         q,
@@ -348,6 +355,7 @@ class Rescuer:
             "busy": 0,  # another rescuer's lease
             "unreadable": 0,  # not a valid routed query: left for the worker to dead-letter
             "lease_lost": 0,  # lease lapsed while held: the worker took the copy back
+            "returned": 0,  # re-routed back to the same instance (it came back): claim dropped
         }
     )
 
@@ -356,6 +364,8 @@ class Rescuer:
         self._ids = [i.id for i in self.cluster.instances]
         self._inflight: dict[str, _InFlight] = {}  # query id -> adopted, not finished
         self._owed: dict[str, list[str]] = {}  # instance -> query ids to mark rerouted
+        self._returned: dict[str, list[str]] = {}  # instance -> ids re-routed back to it
+        self._went: dict[str, str] = {}  # query id -> where its acknowledged copy went
         self._start: dict[str, dict[int, int]] = {}  # instance -> partition -> next offset
         self._lock = asyncio.Lock()
         self._failing = False
@@ -431,7 +441,9 @@ class Rescuer:
                     qid = s.routed.query.id
                     self._inflight[qid] = _InFlight(
                         iid,
-                        to_pending(s, now, self._finisher(iid, qid), self._wanted(qid)),
+                        to_pending(
+                            s, now, self._finisher(iid, qid), self._wanted(qid), self._router(qid)
+                        ),
                     )
                 self.counts["claimed"] += len(won)
                 log.warning(
@@ -458,14 +470,35 @@ class Rescuer:
         """Whether the service should still route ``qid`` (False once its claim is gone)."""
         return lambda: qid in self._inflight
 
+    def _router(self, qid: str) -> Callable[[str], None]:
+        def routed(instance_id: str) -> None:  # the service, once the copy was acknowledged
+            if qid in self._inflight:
+                self._went[qid] = instance_id
+
+        return routed
+
     def _finisher(self, iid: str, qid: str) -> Callable[[Inbound], None]:
         def done(_inbound: Inbound) -> None:  # called by the service once Kafka acknowledged
+            went = self._went.pop(qid, None)
             if self._inflight.pop(qid, None) is not None:
-                self._owed.setdefault(iid, []).append(qid)
+                owed = self._returned if went == iid else self._owed
+                owed.setdefault(iid, []).append(qid)
 
         return done
 
     async def _mark_owed(self) -> None:
+        for iid, qids in list(self._returned.items()):
+            outcomes = await self.state.claim_returned(iid, qids, self.rescuer_id)
+            self._returned.pop(iid, None)
+            self.counts["returned"] += outcomes.count("won")
+            self.counts["lease_lost"] += len(qids) - outcomes.count("won")
+            log.warning(
+                "rescuer: %d re-routed queries went back to %s (it came back): its worker "
+                "runs them, e.g. %s",
+                len(qids),
+                iid,
+                qids[:3],
+            )
         for iid, qids in list(self._owed.items()):
             outcomes = await self.state.claim_rerouted(iid, qids, self.rescuer_id)
             self._owed.pop(iid, None)

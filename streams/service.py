@@ -126,10 +126,13 @@ class Adopted:
     """``Inbound.handle`` of a query handed over by ``RouterService.adopt`` (not read from
     ``queries``): its ``on_done`` is called instead of the adapter's once the query is
     finished (its re-routed copy, or its final error, acknowledged by Kafka). ``wanted`` is
-    asked under the service's lock, so a query finished meanwhile is not adopted again."""
+    asked under the service's lock, so a query finished meanwhile is not adopted again.
+    ``routed`` is told, before ``on_done``, where the acknowledged copy went: an instance
+    id, or ``"-"`` when the query was answered with an error instead."""
 
     on_done: Callable[[Inbound], None]
     wanted: Callable[[], bool] = lambda: True
+    routed: Callable[[str], None] = lambda _instance_id: None
 
 
 @dataclass(frozen=True)
@@ -379,6 +382,9 @@ class RouterService:
         self._stage = "commit"
         marks = out.routed_marks
         shas = {p.query.id: p.sha for p in candidates if p.query.id in marks}
+        for p in candidates:  # produced and acknowledged: tell the rescuer where each went
+            if isinstance(p.inbound.handle, Adopted) and p.query.id in marks:
+                p.inbound.handle.routed(marks[p.query.id])
         if blind:
             self._blind.routed(marks, shas)
         elif marks:

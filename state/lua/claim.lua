@@ -3,11 +3,14 @@
 -- All KEYS share the instance's hash tag (one script call per instance).
 -- KEYS[i] claim key of query i on the instance (string; TTL)
 -- ARGV[1] mode: 'run' (the worker, before it starts the query), 'rescue' (a rescuer takes
---         or renews a lease), 'rerouted' (the rescuer's copy elsewhere was acknowledged)
+--         or renews a lease), 'rerouted' (the rescuer's copy elsewhere was acknowledged),
+--         'returned' (the rescuer's copy went back to this very instance, which came back:
+--         the claim is dropped, so this instance's worker runs one of its copies)
 -- ARGV[2] rescuer id ('' for 'run')  ARGV[3] rescue lease ms  ARGV[4] ttl ms
 -- Values: 'run' | 'rescue <id> <lease end ms>' | 'rerouted <id>'
 -- Returns one outcome per key:
---   'won'  the caller owns the copy now (run: start it; rescue: re-route it; rerouted: marked)
+--   'won'  the caller owns the copy now (run: start it; rescue: re-route it; rerouted: marked;
+--          returned: dropped)
 --   'lost' someone else owns it for good (a worker started it, or it was re-routed)
 --   'wait' (run) a live rescuer lease holds it: not re-routed yet, ask again later
 --   'busy' (rescue) another rescuer's lease is live: leave it alone
@@ -46,6 +49,14 @@ for i, key in ipairs(KEYS) do
     -- only the holder of the rescue claim (live or lapsed but not taken over) marks it
     if (kind == 'rescue' and holder == who) or (kind == 'rerouted' and holder == who) or not cur then
       redis.call('SET', key, 'rerouted ' .. who, 'PX', ttl)
+      verdict = 'won'
+    else
+      verdict = 'lost'
+    end
+  elseif mode == 'returned' then
+    -- a 'rerouted' mark here would make the worker skip both copies on this instance (bug 21)
+    if (kind == 'rescue' and holder == who) or (kind == 'rerouted' and holder == who) or not cur then
+      redis.call('DEL', key)
       verdict = 'won'
     else
       verdict = 'lost'

@@ -182,7 +182,8 @@ async def test_worker_kill9_mid_stream_loses_no_result(rig: Rig) -> None:
             old.kill9()
             marks["killed"] = time.monotonic()
             marks["killed_wall"] = time.time()
-            restarted.append(rig.start_worker(victim))
+            # at INFO: each copy it skips, and why, is in its log (bug 21 was silent at WARNING)
+            restarted.append(rig.start_worker(victim, ["--log-level", "INFO"]))
 
     async with TopicReader(rig.settings.kafka_kwargs(), ["results", "decisions"]) as reader:
         t0 = time.monotonic()
@@ -213,9 +214,11 @@ async def test_worker_kill9_mid_stream_loses_no_result(rig: Rig) -> None:
             await await_until(all_answered, 180, f"a result for each of {N_WORKER_RUN} queries")
         except AssertionError as exc:
             lost, _, _ = _result_counts(reader, ids)
+            claims = await claim_states(rig.settings, victim, sorted(lost)[:20])
             pytest.fail(
-                f"{exc}: {len(lost)} without a result, e.g. {sorted(lost)[:5]}; "
-                f"worker log:\n{restarted[0].tail(1500)}"
+                f"{exc}: {len(lost)} without a result, e.g. {sorted(lost)[:5]}; their claims on "
+                f"{victim}: {claims}; router log:\n{rig.router.tail(1500)}\n"
+                f"worker log:\n{restarted[0].tail(3000)}"
             )
         done = time.monotonic()
         await asyncio.sleep(1.0)  # late duplicates

@@ -59,6 +59,24 @@ async def test_lapsed_lease_goes_to_the_worker_or_a_successor(stores: list[State
     assert await r.claim_rerouted("i", ["a"], "dead") == ["lost"]  # too late: worker runs it
 
 
+async def test_a_copy_routed_back_to_its_instance_returns_the_claim_to_the_worker(
+    stores: list[StateStore],
+) -> None:
+    w, r = stores[0], stores[1]
+    assert await r.claim_rescue("i", ["q1", "q2"], "r1", lease_s=30) == ["won", "won"]
+    assert await w.claim_run("i", "q1") == "wait"
+    assert await r.claim_returned("i", ["q1"], "r2") == ["lost"]  # not its claim: kept
+    assert await r.claim_returned("i", ["q1"], "r1") == ["won"]
+    assert await w.claim_state("i", "q1") is None  # dropped: the worker runs a copy
+    assert await w.claim_run("i", "q1") == "won"
+    assert await r.claim_returned("i", ["q1"], "r1") == ["lost"]  # its worker runs it now
+    assert await r.claim_rescue("i", ["q2"], "r1", lease_s=0.05) == ["won"]
+    await asyncio.sleep(0.15)
+    assert await w.claim_run("i", "q2") == "won"  # the lease lapsed: the worker took it
+    assert await r.claim_returned("i", ["q2"], "r1") == ["lost"]
+    assert await w.claim_state("i", "q2") == "run"
+
+
 async def test_concurrent_worker_and_rescuers_exactly_one_wins(stores: list[StateStore]) -> None:
     ids = [f"q{n}" for n in range(200)]
 

@@ -357,6 +357,44 @@ async def test_rescue_reroutes_unstarted_copies_and_leaves_started_ones(
     assert len(await _routed_to(env, kafka_bootstrap, b, 4)) == 4
 
 
+@pytest.mark.integration
+async def test_a_copy_rerouted_back_to_its_own_instance_is_run_there(
+    env: dict[str, Any], kafka_bootstrap: str
+) -> None:
+    """Bug 21: the instance comes back (a worker restarted after ``kill -9``) between the
+    claim and the window, and the policy picks it again. Its worker then holds two copies
+    of each query under one claim; the claim must be dropped, not marked ``rerouted``,
+    or the worker skips both and the query never gets a Result."""
+    rid, store = env["rid"], env["store"]
+    a, b = f"{rid}-a", f"{rid}-b"
+    qids, period = await _strand(env, 3)
+    svc = _service(env)
+    rescuer = Rescuer(env["spec"], store, svc, env["reader"], RescueConfig(grace_s=1.0))
+    t0 = time.time()
+    await rescuer.tick(now=t0)
+    await rescuer.tick(now=t0 + 1.5)
+    assert rescuer.in_flight == 3 and svc.held_count == 3
+    await store.instance_down(b)  # b goes away and a heart-beats again: a is the only choice
+    await store.heartbeat(a, "m", 30.0, 8)
+    outcome = await svc.retry_held()
+    assert outcome is not None and outcome.routed == 3
+    await rescuer.tick(now=t0 + 2.0)  # the rescuer's marks
+    copies = await _routed_to(env, kafka_bootstrap, a, 6)
+    assert sorted(c.query.id for c in copies) == sorted(qids * 2)  # the old copy and the new
+    for c in copies:
+        assert c.decision.instance_id == a
+    for q in qids:
+        # a's worker runs one of its two copies (the other is skipped as a duplicate by id);
+        # with a "rerouted" mark this was "lost" for both: no Result, ever
+        assert await store.claim_state(a, q) is None
+        assert await store.claim_run(a, q) == "won"
+    assert rescuer.in_flight == 0 and await svc.retry_held() is None
+    assert (rescuer.counts.get("returned"), rescuer.counts["rerouted"]) == (3, 0)
+    status = await store.budget_status("default", period)
+    assert status.n_reserved == 3  # reserved again at a's worst case, once per query
+    assert sorted(await store.slots_held(a)) == sorted(qids)
+
+
 class _DeadService:
     """A router that claims and then dies before routing anything."""
 

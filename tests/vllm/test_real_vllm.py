@@ -13,6 +13,9 @@ an error Result carrying vLLM's 400 message. Also: the real ``openai`` SDK again
 Workers against the real servers: one configured for the other model refuses to start
 (exit 1, no heartbeat), and one whose server is frozen (SIGSTOP) drops its instance from
 the live set within a heartbeat and a health-probe timeout, and is back once it answers.
+Last (its server stays dead): reliability scenario 11 on real servers, a server frozen for
+10 s and then ``SIGKILL``'d mid-stream under traffic: one Result per query within its
+deadline, the instance out of the live set within two heartbeats each time.
 
 Slow (servers take ~35-180 s to load); ``make test`` runs this module last (marker ``vllm``).
 """
@@ -276,5 +279,165 @@ async def test_workers_refuse_another_model_and_follow_a_frozen_engine(
     finally:
         if frozen:
             os.killpg(server.pid, signal.SIGCONT)
+        procs.stop_all()
+        await store.close()
+
+
+N_KILL_QUERIES = 40
+
+
+async def test_a_real_server_frozen_then_killed_mid_stream_answers_every_query(
+    real_servers: ClusterConfig, vllm_home: Path, kafka_bootstrap: str, redis_url: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """Scenario 11's freeze and ``kill -9`` on a real server (last in this module: its server
+    stays dead).
+
+    Router and one worker per real server; 40 queries; once the first Result of the victim's
+    instance is out, its vLLM server's process group is frozen (``SIGSTOP``) for 10 s, mid
+    stream; the instance must leave the live set within a heartbeat and the health probe's
+    timeout, and come back once it answers. Then 20 more queries, and at the victim's next
+    Result its server's process group is ``SIGKILL``'d. Every query gets
+    exactly one Result (answered, or an error Result from the victim's worker for the
+    streams the kill cut) within its deadline; the instance leaves the live set within two
+    heartbeats plus the health probe's timeout; queries sent after that all go to the other.
+    (Scenario 11's "returns 500s" stays on fake-vllm: a real vLLM cannot be made to.)
+    """
+    rid = "k" + uuid.uuid4().hex[:6]
+    spec = real_servers.model_dump(mode="json", exclude_none=True)
+    for inst in spec["instances"]:
+        inst["id"] = f"{rid}-{inst['id']}"
+    cluster = ClusterConfig.model_validate(spec)
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(spec))
+    victim_spec = real_servers.instances[1]
+    victim, other = cluster.instances[1].id, cluster.instances[0].id
+    server = services.load_records(vllm_home)[vllm_servers.RECORD_PREFIX + victim_spec.id]
+    ns = f"t{rid}"
+    env = dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
+               SWITCHYARD_NAMESPACE=ns)  # fmt: skip
+    procs = ProcessGroup(tmp_path / "logs", env=env)
+    store = await StateStore.connect(redis_url, namespace=ns)
+    ids = [i.id for i in cluster.instances]
+    heartbeat_s, deadline_s = 0.5, 240.0
+    try:
+        router = procs.switchyard(
+            "router",
+            "router", "--cluster", str(cluster_file), "--window-ms", "50", "--from", "latest",
+            "--app-id", f"router-{rid}", "--max-hold-s", "200",
+        )  # fmt: skip
+        await asyncio.to_thread(procs.wait_for_line, router, "assigned queries partitions", 90)
+        for iid in ids:
+            procs.switchyard(
+                f"worker-{iid}",
+                "worker", "--instance", iid, "--cluster", str(cluster_file), "--backend", "vllm",
+                "--heartbeat-s", str(heartbeat_s), "--log-level", "INFO",
+            )  # fmt: skip
+        async with asyncio.timeout(90):
+            while not all(v.alive for v in (await store.snapshots(ids, time.time())).values()):
+                await asyncio.sleep(0.2)
+        consumer = AIOKafkaConsumer(
+            topics.RESULTS, bootstrap_servers=kafka_bootstrap, enable_auto_commit=False,
+            auto_offset_reset="latest", group_id=None,
+        )  # fmt: skip
+        await consumer.start()
+        await consumer.seek_to_end()
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
+        await producer.start()
+        rng = random.Random(11)
+        sent: dict[str, float] = {}
+
+        async def send(tag: str, n: int) -> None:
+            futs = []
+            for i in range(n):
+                qid = f"{rid}-{tag}{i}"
+                body = {"id": qid, "prompt": f"{qid}: " + _prompt(rng, 40), "max_tokens": 48,
+                        "created_at": time.time(), "ttft_slo_ms": int(deadline_s * 1000)}  # fmt: skip
+                sent[qid] = time.monotonic()
+                futs.append(await producer.send(topics.QUERIES, json.dumps(body).encode(),
+                                                key=qid.encode()))  # fmt: skip
+            await asyncio.gather(*futs)
+
+        results: dict[str, list[tuple[float, Result]]] = {}
+
+        async def drain(timeout_ms: int = 300) -> None:
+            for records in (await consumer.getmany(timeout_ms=timeout_ms)).values():
+                for r in records:
+                    res = Result.model_validate_json(r.value)
+                    if res.query_id in sent:
+                        results.setdefault(res.query_id, []).append((time.monotonic(), res))
+
+        try:
+            await send("a", N_KILL_QUERIES)
+            async with asyncio.timeout(deadline_s):  # the victim's first answer: it is streaming
+                while not any(r.instance_id == victim for rs in results.values() for _, r in rs):
+                    await drain()
+            os.killpg(server.pid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                async with asyncio.timeout(20):
+                    while (await store.snapshots([victim], time.time()))[victim].alive:
+                        await drain(50)
+                frozen_out_s = time.monotonic() - frozen_at
+                while time.monotonic() - frozen_at < 10.0:
+                    await drain(200)
+            finally:
+                os.killpg(server.pid, signal.SIGCONT)
+            thawed = time.monotonic()
+            async with asyncio.timeout(30):
+                while not (await store.snapshots([victim], time.time()))[victim].alive:
+                    await drain(50)
+            back_s = time.monotonic() - thawed
+            seen = {q for q, rs in results.items() if rs[0][1].instance_id == victim}
+            await send("c", 20)
+            async with asyncio.timeout(deadline_s):  # streaming again
+                while not any(
+                    r.instance_id == victim and q not in seen
+                    for q, rs in results.items()
+                    for _, r in rs
+                ):
+                    await drain()
+            os.killpg(server.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            async with asyncio.timeout(30):
+                while (await store.snapshots([victim], time.time()))[victim].alive:
+                    await drain(50)
+            down_s = time.monotonic() - killed
+            await send("b", 10)  # after it left the live set
+            async with asyncio.timeout(deadline_s):
+                while set(sent) - set(results):
+                    await drain()
+            await asyncio.sleep(2.0)  # a second Result would arrive now
+            await drain(1000)
+        finally:
+            await producer.stop()
+            await consumer.stop()
+
+        twice = [q for q, rs in results.items() if len(rs) != 1]
+        assert not twice, f"{len(twice)} queries with more than one Result: {twice[:3]}"
+        late = {q: t - sent[q] for q, [(t, _)] in results.items() if t - sent[q] > deadline_s}
+        assert not late, f"answered past the deadline: {late}"
+        final = {q: rs[0][1] for q, rs in results.items()}
+        cut = {q: r.error for q, r in final.items() if not r.ok}
+        assert all(final[q].instance_id == victim for q in cut), cut  # only the victim's fail
+        after = [q for q in final if q.startswith(f"{rid}-b")]
+        assert all(final[q].ok and final[q].instance_id == other for q in after), [
+            (final[q].instance_id, final[q].error) for q in after
+        ]
+        print(
+            f"real vLLM frozen 10 s: out of the live set after {frozen_out_s:.2f} s, back "
+            f"{back_s:.2f} s after SIGCONT"
+        )
+        print(
+            f"real vLLM killed: instance out of the live set {down_s:.2f} s after the kill; "
+            f"{sum(1 for r in final.values() if r.instance_id == victim)} answered by it "
+            f"({len(cut)} error Results from the cut streams), "
+            f"{sum(1 for r in final.values() if r.instance_id == other)} by {other}; slowest "
+            f"{max(t - sent[q] for q, [(t, _)] in results.items()):.1f} s of {deadline_s:.0f} s"
+        )
+        # two heartbeats plus the health probe's 1 s timeout, with room for a loaded CI
+        assert frozen_out_s < 2 * heartbeat_s + 1.0 + 3.0
+        assert down_s < 2 * heartbeat_s + 1.0 + 3.0
+    finally:
         procs.stop_all()
         await store.close()
