@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batch.files import (
     FINAL_ERROR_CODES,
@@ -56,6 +56,9 @@ from schemas.openai_api import (
     BatchStatus,
     response_body,
 )
+
+if TYPE_CHECKING:  # the Redis client loads only where a job connects its store
+    from state.protocols import Ledger
 
 LEDGER_PERIOD = "job"
 
@@ -138,7 +141,7 @@ class JobRun:
     rules: InputRules
     config: JobConfig
     plan: Plan
-    store: Any  # state.StateStore
+    store: Ledger
     client: Any  # wiring.client.SwitchyardClient, started from the job's creation time
     progress: Any = None  # callable(done, total) or None
     created_at: int = field(default_factory=lambda: int(time.time()))

@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -45,6 +45,9 @@ from schemas.openai_api import (
     usage,
 )
 from schemas.parse import decode_json
+
+if TYPE_CHECKING:  # the Redis client loads only where a store is connected
+    from state.protocols import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class Gateway:
         config: GatewayConfig,
         client: Any,  # wiring.client.SwitchyardClient (started)
         relay: RelayReader,
-        store: Any,  # state.StateStore, for the budget pre-check (None: no pre-check)
+        store: Ledger | None,  # for the budget pre-check (None: no pre-check)
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.cluster = cluster

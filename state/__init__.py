@@ -1,11 +1,27 @@
 """Shared state in Redis: instance live state, heartbeats, capacity slots, budget ledger, dedupe.
 
 The only package that knows the key layout (``state.keys``); every read-modify-write is
-an atomic Lua script (``state/lua/``). See ``state.store.StateStore``.
+an atomic Lua script (``state/lua/``). See ``state.store.StateStore``, which implements
+every concern's Protocol (``state.protocols``) over one client; callers type against the
+narrow Protocols they use.
 """
 
 from state.cluster import StateConfigError
 from state.keys import Keys
+from state.protocols import (
+    Claims,
+    Dedupe,
+    Ledger,
+    LedgerRebuild,
+    LivenessReader,
+    LivenessWriter,
+    RescuerState,
+    Results,
+    RouterState,
+    Slots,
+    StepTimePublisher,
+    WorkerState,
+)
 from state.store import (
     NANO_PER_USD,
     BudgetStatus,
@@ -24,6 +40,18 @@ from state.store import (
 )
 
 __all__ = [
+    "Claims",
+    "Dedupe",
+    "Ledger",
+    "LedgerRebuild",
+    "LivenessReader",
+    "LivenessWriter",
+    "RescuerState",
+    "Results",
+    "RouterState",
+    "Slots",
+    "StepTimePublisher",
+    "WorkerState",
     "NANO_PER_USD",
     "BudgetStatus",
     "DedupeEntry",

@@ -48,6 +48,7 @@ from typing import Any
 
 from routing.types import InstanceView
 from schemas import ClusterConfig
+from state.protocols import RouterState
 
 log = logging.getLogger("switchyard.router")
 
@@ -183,7 +184,7 @@ class BlindLedger:
         return bool(self._marks or self._slots or any(t.pending for t in self._all()))
 
     async def flush(
-        self, state: Any, cluster: ClusterConfig, lease_s: float | None, dedupe_ttl_s: float
+        self, state: RouterState, cluster: ClusterConfig, lease_s: float | None, dedupe_ttl_s: float
     ) -> int:
         """Write what was done blind to Redis; raises (keeping it all) if Redis fails again.
 

@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas import ClusterConfig, Result, RoutedQuery
+from state.protocols import LedgerRebuild
 from state.store import StateUnavailable, period_bounds
 from streams.ledger_fold import LedgerFold
 from wiring import topics
@@ -91,7 +92,7 @@ class LedgerGuard:
         self._failed_at = 0.0
         self.last: RebuildReport | None = None
 
-    async def ready(self, state: Any) -> bool:
+    async def ready(self, state: LedgerRebuild) -> bool:
         """True when Redis holds a complete ledger; else start (or keep) a rebuild, False.
 
         Raises ``StateUnavailable`` when Redis does not answer (the caller routes blind).
@@ -111,7 +112,7 @@ class LedgerGuard:
             self._task = asyncio.create_task(self._rebuild(state), name="ledger-rebuild")
         return False
 
-    async def wait_ready(self, state: Any, timeout_s: float) -> bool:
+    async def wait_ready(self, state: LedgerRebuild, timeout_s: float) -> bool:
         """``ready`` until True or ``timeout_s``: a router starting on a Redis without the
         mark waits for the rebuild rather than route its first windows blind (a query held
         by a blind window is routed later without a dedupe entry in Redis, so its routed
@@ -128,7 +129,7 @@ class LedgerGuard:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def _rebuild(self, state: Any) -> RebuildReport | None:
+    async def _rebuild(self, state: LedgerRebuild) -> RebuildReport | None:
         token = uuid.uuid4().hex
         while True:
             got = await state.ledger_lease(token, self.lease_s)
@@ -162,14 +163,14 @@ class LedgerGuard:
         )
         return report
 
-    async def _renew(self, state: Any, token: str) -> None:
+    async def _renew(self, state: LedgerRebuild, token: str) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 3)
             got = await state.ledger_lease(token, self.lease_s, renew=True)
             if got != "ours":
                 raise RuntimeError(f"rebuild lease renew answered {got!r}")
 
-    async def _fold_and_book(self, state: Any) -> RebuildReport:
+    async def _fold_and_book(self, state: LedgerRebuild) -> RebuildReport:
         t0 = time.monotonic()
         now = time.time()
         periods = {t.tenant: self._period_id(now, t.period_s) for t in self.cluster.tenants}

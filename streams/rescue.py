@@ -54,6 +54,7 @@ from typing import Any, Protocol
 from schemas import ClusterConfig, Query, RoutedQuery
 from schemas import routed_query_raw as query_bytes  # the router's splice, undone
 from schemas.parse import BadMessage, Limits, parse_model
+from state.protocols import RescuerState
 from streams.service import Adopted, Inbound, Pending
 from wiring import topics
 
@@ -87,7 +88,8 @@ class RescueConfig:
 
 
 class _LiveLike(Protocol):
-    alive: bool
+    @property
+    def alive(self) -> bool: ...
 
 
 class SilenceTracker:
@@ -338,7 +340,7 @@ class Rescuer:
     """Finds silent instances and hands their unstarted copies to the service (module doc)."""
 
     cluster: ClusterConfig
-    state: Any  # state.StateStore
+    state: RescuerState
     service: _Service
     reader: RouteReader
     config: RescueConfig = field(default_factory=RescueConfig)

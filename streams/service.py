@@ -72,6 +72,7 @@ from schemas import (
     parse_query,
     routed_query_bytes,
 )
+from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
@@ -222,7 +223,7 @@ class RouterService:
         self,
         cluster: ClusterConfig,
         router: Router,
-        state: Any,
+        state: RouterState,
         sink: Sink,
         config: RouterConfig = RouterConfig(),
         metrics: RouterMetrics | None = None,

@@ -34,13 +34,20 @@ from schemas import ClusterConfig, InstanceSnapshot, StepTimeCoefficients, Tenan
 class LiveLike(Protocol):
     """The fields of ``state.InstanceLive`` the router reads."""
 
-    snapshot: InstanceSnapshot | None
-    slots_used: int
-    alive: bool
-    age_s: float
-    engine_running: int | None  # the engine's own counts (vLLM /metrics); None: unknown
-    engine_waiting: int | None
-    engine_kv_usage: float | None  # 0..1
+    @property
+    def snapshot(self) -> InstanceSnapshot | None: ...
+    @property
+    def slots_used(self) -> int: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def age_s(self) -> float: ...
+    @property
+    def engine_running(self) -> int | None: ...  # the engine's own counts (vLLM /metrics); None: unknown
+    @property
+    def engine_waiting(self) -> int | None: ...
+    @property
+    def engine_kv_usage(self) -> float | None: ...  # 0..1
 
 
 def instance_views(
@@ -95,8 +102,10 @@ def instance_views(
 class LiveStepTimeLike(Protocol):
     """The fields of ``state.LiveStepTime`` the router reads."""
 
-    coefficients: StepTimeCoefficients
-    at: float
+    @property
+    def coefficients(self) -> StepTimeCoefficients: ...
+    @property
+    def at(self) -> float: ...
 
 
 def live_step_models(

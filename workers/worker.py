@@ -55,7 +55,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from routing.steptime import StepTimeModel
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
-from state import StateStore, StateUnavailable, period_id
+from state import StateUnavailable, WorkerState, period_id
 from wiring import kafka_admin, kafka_records, topics
 from wiring.settings import Settings
 from workers.backends.base import Backend, EngineUnavailable, Generation, GenerationRequest
@@ -206,7 +206,7 @@ class Worker:
         cluster: ClusterConfig,
         backend: Backend,
         settings: Settings,
-        state: StateStore,
+        state: WorkerState,
     ) -> None:
         self.config = config
         self.instance_id = config.instance_id

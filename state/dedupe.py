@@ -1,0 +1,155 @@
+"""Dedupe entries and route intents in Redis: a router asks whether a query id is new, a
+duplicate or a conflict, records where it is sending each query before producing it,
+and marks it routed after Kafka acknowledged it. See ``state.protocols.Dedupe``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from redis.asyncio.client import Pipeline
+
+from state.keys import dedupe_bucket
+from state.records import DedupeEntry, RouteIntent, Verdict
+from state.redis_core import RedisCore, _seconds_ms
+
+
+class RedisDedupe(RedisCore):
+    """Dedupe verdicts, route intents and routed marks, a window per round trip."""
+
+    async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
+        """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""
+        return (await self.dedupe_ex(query_id, body_sha256, ttl_s))[0]
+
+    async def dedupe_ex(
+        self, query_id: str, body_sha256: str, ttl_s: float
+    ) -> tuple[Verdict, str | None]:
+        """``dedupe`` plus the instance a previous copy was routed to (None: not routed yet).
+
+        A ``duplicate`` that was never marked routed is what a router crash between dedupe
+        and produce leaves behind: route it again (reservations are idempotent per id).
+        """
+        return (await self.dedupe_many([(query_id, body_sha256)], ttl_s))[0]
+
+    async def dedupe_many(
+        self, items: Sequence[tuple[str, str]], ttl_s: float
+    ) -> list[tuple[Verdict, str | None]]:
+        """``dedupe_ex`` for a whole window: (query id, body sha256) each, answers in order.
+
+        One pipelined round trip; one script call per dedupe bucket. An id given twice is
+        ``new`` then ``duplicate`` (or ``conflict``), as if the two arrived one after the other.
+        """
+        if not items:
+            return []
+        ttl_ms = _seconds_ms(ttl_s, "dedupe ttl_s")
+        groups: dict[int, list[int]] = {}
+        for n, (qid, sha) in enumerate(items):
+            if not isinstance(sha, str) or not sha or len(sha) > 128:
+                raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
+            groups.setdefault(dedupe_bucket(qid), []).append(n)
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
+            ([self.keys.dedupe(items[n][0]) for n in rows], [ttl_ms, *(items[n][1] for n in rows)])
+            for rows in groups.values()
+        ]
+        replies = await self._script_many("dedupe", calls)
+        out: list[tuple[Verdict, str | None]] = [("new", None)] * len(items)
+        for rows, reply in zip(groups.values(), replies, strict=True):
+            for j, n in enumerate(rows):
+                out[n] = (cast(Verdict, str(reply[2 * j])), str(reply[2 * j + 1]) or None)
+        return out
+
+    async def mark_routed_many(self, routed: Mapping[str, str]) -> int:
+        """``mark_routed`` for many queries ({query id: instance id}); returns how many were marked."""
+        if not routed:
+            return 0
+        groups: dict[int, list[tuple[str, str]]] = {}
+        for qid, iid in routed.items():
+            self.keys.heartbeat(iid)  # validates the id
+            groups.setdefault(dedupe_bucket(qid), []).append((qid, iid))
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
+            ([self.keys.dedupe(q) for q, _ in rows], [i for _, i in rows])
+            for rows in groups.values()
+        ]
+        return sum(int(r) for r in await self._script_many("mark_routed", calls))
+
+    async def mark_intent_many(self, intents: Mapping[str, RouteIntent]) -> dict[str, str]:
+        """Record each query's route intent before producing it; returns the ids *taken*,
+        each with the instance that holds it: already marked routed, or with another intent
+        recorded first (another router routed them while this one was paused mid-window).
+        Those must not be produced.
+
+        A router killed between producing and ``mark_routed_many`` leaves the intent behind;
+        its successor re-sends that decision to that instance (``intents``) rather than
+        deciding again, so a query is never routed to two instances. A query with no dedupe
+        entry (expired) is neither recorded nor taken.
+
+        An intent with ``rerouted_from`` (a rescuer's claim made the query this router's) is
+        recorded over the original routing to that instance; it is taken only when the query
+        was marked routed to a third instance meanwhile (another rescuer re-routed it).
+        """
+        if not intents:
+            return {}
+        for iid in {i.instance_id for i in intents.values()}:
+            self.keys.heartbeat(iid)  # validates each instance id once, not once per query
+        groups: dict[int, list[tuple[str, str, str]]] = {}
+        for qid, intent in intents.items():
+            payload = f"{intent.instance_id}\n{intent.decision_json}"
+            row = (qid, payload, intent.rerouted_from or "")
+            groups.setdefault(dedupe_bucket(qid), []).append(row)
+        rows = list(groups.values())
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
+            (
+                [self.keys.dedupe(q) for q, _, _ in group],
+                [p for _, p, _ in group] + [f for _, _, f in group],
+            )
+            for group in rows
+        ]
+        replies = await self._script_many("mark_intent", calls)
+        return {
+            qid: holder.decode() if isinstance(holder, bytes) else str(holder)
+            for group, got in zip(rows, replies, strict=True)
+            for (qid, _, _), holder in zip(group, got, strict=True)
+            if not isinstance(holder, int)
+        }
+
+    async def intents(self, query_ids: Sequence[str]) -> dict[str, RouteIntent]:
+        """The recorded route intent of each query that has one (one pipelined round trip)."""
+        if not query_ids:
+            return {}
+        pipe: Pipeline = self._r.pipeline(transaction=False)
+        for qid in query_ids:
+            pipe.hget(self.keys.dedupe(qid), "intent")
+        replies = cast(list[Any], await self._call("intents", pipe.execute()))
+        out: dict[str, RouteIntent] = {}
+        for qid, raw in zip(query_ids, replies, strict=True):
+            intent = _route_intent(raw)
+            if intent is not None:
+                out[qid] = intent
+        return out
+
+    async def mark_routed(self, query_id: str, instance_id: str) -> bool:
+        """Record where a deduped query went (after its routed message was acknowledged)."""
+        return await self.mark_routed_many({query_id: instance_id}) == 1
+
+    async def dedupe_entry(self, query_id: str) -> DedupeEntry | None:
+        raw = cast(
+            dict[str, str],
+            await self._call("dedupe_entry", self._r.hgetall(self.keys.dedupe(query_id))),
+        )
+        if not raw or "sha" not in raw:
+            return None
+        return DedupeEntry(raw["sha"], raw.get("routed") or None, _route_intent(raw.get("intent")))
+
+    async def forget(self, query_id: str) -> None:
+        """Drop a query's dedupe entry (its routing failed and it will be retried as new)."""
+        await self._call("forget", self._r.delete(self.keys.dedupe(query_id)))
+
+    # ------------------------------------------------------------------ budget ledger
+
+
+def _route_intent(raw: str | None) -> RouteIntent | None:
+    """Parse a dedupe entry's ``intent`` field ("<instance id>\\n<decision json>")."""
+    if not raw or "\n" not in raw:
+        return None
+    instance_id, decision_json = raw.split("\n", 1)
+    return RouteIntent(instance_id, decision_json) if instance_id and decision_json else None
