@@ -183,6 +183,8 @@ async def tour(s: StateStore) -> set[str]:
     mark("claim_rescue")
     assert len(await s.claim_rerouted("gpu-4", ["k-2"], "router-1")) == 1
     mark("claim_rerouted")
+    assert len(await s.claim_returned("gpu-4", ["k-2"], "router-1")) == 1
+    mark("claim_returned")
     assert await s.claim_state("gpu-4", "k-1") is not None
     mark("claim_state")
     await s.instance_down("gpu-5")
