@@ -198,9 +198,12 @@ class _RouterFaustApp(faust.App):
             handed_out = list(consumer.unacked)
             n = runtime.acker.abandon_all(handed_out)
             consumer.unacked.difference_update(handed_out)  # nothing left to wait for
-            if n:
+            if n or handed_out:
                 log.warning(
-                    "gave up %d unfinished queries for re-delivery (rebalance or shutdown)", n
+                    "gave up %d unfinished queries for re-delivery (rebalance or shutdown); "
+                    "%d messages handed out and not acknowledged in all",
+                    n,
+                    len(handed_out),
                 )
         await super()._consumer_wait_empty(consumer, logger)
 
