@@ -50,6 +50,7 @@ from switchyard.processes import ProcessGroup  # noqa: E402
 from wiring import kafka_admin, topics  # noqa: E402
 
 SMALL, LARGE = "qwen2.5-7b-instruct", "llama3-chatqa-1.5-70b"  # names the demo predictor knows
+SLO_MS = 2000  # every benchmark query's TTFT SLO
 
 
 def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
@@ -127,7 +128,7 @@ async def produce(
     try:
         pending = []
         for i, qid in enumerate(ids):
-            body = f'{{"id":"{qid}","prompt":"benchmark query number {i} about trains","ttft_slo_ms":2000}}'
+            body = f'{{"id":"{qid}","prompt":"benchmark query number {i} about trains","ttft_slo_ms":{SLO_MS}}}'
             key = qid.encode()
             sent_at[key] = time.time()
             pending.append(await producer.send(topics.QUERIES, body.encode(), key=key))
@@ -260,16 +261,16 @@ def start_routers(
 ) -> list[Any]:
     """``--routers`` router subprocesses in one consumer group, started from the end of
     ``queries``; returns once each has its partitions."""
-    routers = []
-    for k in range(args.routers):
-        routers.append(
-            procs.switchyard(
-                f"{app_id}-{k}", "router", "--cluster", str(cluster_file), *policy_args,
-                "--window-ms", str(args.window_ms), "--max-batch", str(args.max_batch),
-                "--partitions", str(args.partitions), "--from", "latest", "--app-id", app_id,
-                *extra,
-            )  # fmt: skip
-        )
+    options = {
+        "--cluster": str(cluster_file),
+        "--window-ms": str(args.window_ms),
+        "--max-batch": str(args.max_batch),
+        "--partitions": str(args.partitions),
+        "--from": "latest",
+        "--app-id": app_id,
+    }
+    argv = [*policy_args, *(x for kv in options.items() for x in kv), *extra]
+    routers = [procs.switchyard(f"{app_id}-{k}", "router", *argv) for k in range(args.routers)]
     for r in routers:
         procs.wait_for_line(r, "assigned queries partitions", 120)
     return routers
@@ -277,7 +278,7 @@ def start_routers(
 
 async def flood_once(
     bootstrap: str, store: object, consumer: AIOKafkaConsumer, ids: list[str], timeout_s: float
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Send ``ids`` at once; follow each until routed or answered; sample the lag."""
     sent_at: dict[bytes, float] = {}
     finished = routed = shed = other = 0
@@ -362,10 +363,9 @@ async def flood_lag(
         instance_ids = [i["id"] for i in spec["instances"]]  # type: ignore[index]
         names = [topics.QUERIES, topics.RESULTS, *[topics.route(i) for i in instance_ids]]
         await kafka_admin.ensure_topics({"bootstrap_servers": bootstrap}, names, args.partitions)
-        consumer = reader(bootstrap, names[1:], f"bench-flood-{rid}", "latest")
+        consumer = reader(bootstrap, names[1:], f"bench-flood-{rid}", "earliest")
         await consumer.start()
         try:
-            await consumer.getmany(timeout_ms=1000)  # joined and positioned
             for k in range(args.flood_runs):
                 for side in ("off", "shed"):
                     app_id = f"router-{rid}-{side}{k}"
@@ -403,7 +403,7 @@ async def flood_lag(
         "window_ms": args.window_ms,
         "max_batch": args.max_batch,
         "shedding": " ".join(shedding),
-        "slo_ms": 2000,
+        "slo_ms": SLO_MS,
         "median": medians,
         "runs": runs,
         "loadavg_1m": [round(x, 2) for x in load],
