@@ -376,7 +376,11 @@ async def flood_lag(
                     await asyncio.sleep(2.0 if args.routers > 1 else 1.0)  # positions resolved
                     load.append(os.getloadavg()[0])
                     ids = [f"{rid}-{side}{k}-{i}" for i in range(args.flood)]
+                    cpu_s = sum(_cpu_s(r.pid) for r in routers)
                     got = await flood_once(bootstrap, store, consumer, ids, 60.0 + args.flood / 200)
+                    cpu_s = sum(_cpu_s(r.pid) for r in routers) - cpu_s
+                    # the routers' CPU per query of the flood (routed or shed): what a shed saves
+                    got["router_cpu_us_per_query"] = round(cpu_s / args.flood * 1e6, 1)
                     got["loadavg_1m_before"] = round(load[-1], 2)
                     runs[side].append(got)
                     for r in routers:
@@ -391,7 +395,8 @@ async def flood_lag(
         await hb
         procs.stop_all()
         await store.close()
-    keys = ("added_ms_p50", "added_ms_p99", "lag_max", "drain_s", "shed", "shed_answer_ms_p99")
+    keys = ("added_ms_p50", "added_ms_p99", "lag_max", "drain_s", "shed", "shed_answer_ms_p99",
+            "router_cpu_us_per_query")  # fmt: skip
     medians = {
         side: {key: float(np.median([r[key] for r in rs])) for key in keys}
         for side, rs in runs.items()
