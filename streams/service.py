@@ -48,6 +48,8 @@ from routing.window import (
     BUDGET_HOLD_S,
     MAX_BATCH,
     MAX_HOLD_S,
+    SHED_AFTER_SLO,
+    SHED_BACKLOG,
     Admission,
     HoldReason,
     Lost,
@@ -56,6 +58,7 @@ from routing.window import (
     admit,
     carried,
     settle,
+    shed,
 )
 from schemas import (
     BadMessage,
@@ -146,6 +149,12 @@ class RouterConfig:
     max_hold_s: float = MAX_HOLD_S  # a query waiting for capacity (or a live instance) gives up
     budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
     max_held: int = 20_000  # past this many held queries the agent stops reading new ones
+    # load shedding (routing.window.shed): past this many queries waiting in the router (held
+    # + read, not yet decided) the excess is shed, earliest deadline first; 0: off
+    shed_backlog: int = SHED_BACKLOG
+    # a query that waited this many times its TTFT SLO since it was sent (its Kafka
+    # timestamp) is shed: a Decision and an error Result with code ``shed``; 0: off
+    shed_after_slo: float = SHED_AFTER_SLO
     pacing_factor: float = 0.0
     slot_lease_s: float | None = (
         600.0  # a slot never touched by a worker for this long is reclaimed
@@ -166,7 +175,7 @@ class RouterConfig:
     @property
     def window(self) -> WindowSettings:
         """The window rules' settings (``routing.window``, shared with the simulator)."""
-        return WindowSettings(self.max_batch, self.max_hold_s, self.budget_hold_s)
+        return WindowSettings.of(self)
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,8 @@ class WindowOutcome:
     routed: int = 0
     held: int = 0
     dead_letters: int = 0
-    final_errors: int = 0
+    final_errors: int = 0  # answered with a final Decision and an error Result (shed included)
+    shed: int = 0  # of those, shed under overload (routing.window.shed)
     dropped_duplicates: int = 0
     resent: int = 0  # redelivered queries whose crashed router's decision was sent again
 
@@ -612,12 +622,23 @@ class RouterService:
     async def _route(self, candidates: list[Pending], out: WindowOutput, blind: bool = False) -> None:
         """Decide and place one window's candidates (oldest first), in stages: see the
         instances, price the window, admit and cut (``routing.window.admit``), decide,
-        reserve, hold or give up (``routing.window.settle``), emit."""
+        reserve, hold or give up (``routing.window.settle``), emit. Before all, load
+        shedding (``routing.window.shed``) answers the queries it sheds."""
         now = time.time()
         self._stage = "decide"
+        rules = self.config.window
+        shedding = shed(
+            candidates,
+            [p.inbound.timestamp_s or p.first_seen_s for p in candidates],
+            [p.query.ttft_slo_ms / 1000.0 for p in candidates],
+            now,
+            rules,
+        )
+        for g in shedding.shed:
+            self._give_up(g.item, None, g.status, g.text, now, None, out, g.reason)
+        candidates = shedding.kept
         sight = await self._see(now, blind)
         money = await self._price(candidates, now, blind)
-        rules = self.config.window
         admission = admit(
             candidates,
             [p.first_seen_s for p in candidates],
@@ -899,7 +920,8 @@ class RouterService:
         why: HoldReason,
     ) -> None:
         """Final answer for a query that will not be routed: a Decision and an error Result
-        (``code`` ``insufficient_quota`` when its budget was short, else ``not_routed``)."""
+        (``code`` ``insufficient_quota`` when its budget was short, ``shed`` when load
+        shedding gave it up, else ``not_routed``)."""
         q = p.query
         final = (d or _deferred(q, reason, now)).model_copy(
             update={
@@ -919,9 +941,7 @@ class RouterService:
             instance_id="",
             model="",
             error=f"not routed ({status.value}): {reason}",
-            code=ResultCode.INSUFFICIENT_QUOTA
-            if why == HoldReason.BUDGET
-            else ResultCode.NOT_ROUTED,
+            code=_RESULT_CODES.get(why, ResultCode.NOT_ROUTED),
             finished_at=now,
         )
         out.outs.append(
@@ -929,7 +949,11 @@ class RouterService:
         )
         out.routed_marks[q.id] = "-"
         out.outcome.final_errors += 1
-        self.metrics.decisions.labels(status.value).inc()
+        if why == HoldReason.SHED:
+            out.outcome.shed += 1
+            self.metrics.decisions.labels("shed").inc()
+        else:
+            self.metrics.decisions.labels(status.value).inc()
 
     def _hold_quietly(
         self,
@@ -1069,6 +1093,9 @@ class RouterService:
         if met:
             m.slo_predicted_met.inc(met)
 
+
+# the code of a given-up query's error Result, by why it was given up (else ``not_routed``)
+_RESULT_CODES = {HoldReason.BUDGET: ResultCode.INSUFFICIENT_QUOTA, HoldReason.SHED: ResultCode.SHED}
 
 _Placed = tuple[int, Pending, Decision]  # a query the router placed: position in asked, it, how
 

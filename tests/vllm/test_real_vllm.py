@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import time
@@ -101,6 +102,24 @@ def test_openai_sdk_against_real_vllm(real_servers: ClusterConfig) -> None:
         client.completions.create(
             model=model.name, prompt="word " * (2 * (model.max_model_len or 0)), max_tokens=4
         )
+
+
+def test_servers_run_their_engines_on_separate_cores(
+    real_servers: ClusterConfig, vllm_home: Path
+) -> None:
+    """vLLM's own ``auto`` bind would pin both engines to one core; each has its own here."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a user-set bind, or a single CPU: nothing to separate")
+    cores: dict[str, str] = {}
+    for rec in services.load_records(vllm_home).values():
+        if rec.name.startswith(vllm_servers.RECORD_PREFIX):
+            text = Path(rec.log).read_text(errors="replace")
+            found = re.findall(r"local_rank=0, core ids=\[([0-9, ]+)\]", text)
+            assert found, f"{rec.name}: no OpenMP binding line in {rec.log}"
+            cores[rec.name] = found[-1]
+    assert len(cores) >= 2
+    sets = [set(v.replace(" ", "").split(",")) for v in cores.values()]
+    assert all(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[i + 1 :]), cores
 
 
 async def test_router_workers_real_vllm(
