@@ -10,8 +10,9 @@ per instance (≈ 500 for a 128k-token cache and 256-token blocks).
 
 The router reads every instance's model in the snapshot it takes each window
 (``state.liveness``: ``InstanceLive.prefix_hashes``) and touches what it routed
-(``RedisPrefix.prefix_touch_many``, one pipelined call per window). Not yet wired: the
-worker touching on finish, and the worker resizing the model from vLLM's counters
+(``RedisPrefix.prefix_touch_many``, one pipelined call per window); a worker touches what
+finished on its instance (``workers.worker``). Not yet wired: the
+worker resizing the model from vLLM's counters
 (``workers/prefix_reconcile.py`` computes the capacity).
 """
 
@@ -24,12 +25,28 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
+from schemas import ModelSpec, Query
+from schemas.prefix import full_blocks
 from state.keys import Keys
 from state.records import PrefixTouch as PrefixTouch  # re-exported: touches are built here
 from state.redis_core import RedisCore
 
 KEEP_S = 3600.0
 """An instance's model expires an hour after its last touch (an instance gone for good)."""
+
+
+def touch_of(instance_id: str, q: Query, spec: ModelSpec) -> PrefixTouch | None:
+    """The touch of ``q``'s whole prefix blocks on ``instance_id`` (an instance of ``spec``),
+    its model's capacity that instance's KV-cache tokens; None for a cloud model (no cache
+    of ours) or a prompt shorter than one block."""
+    if spec.kind != "local":
+        return None
+    hashes, block_tokens = q.prefix_blocks()
+    n = full_blocks(len(hashes), q.estimated_prompt_tokens(), block_tokens)
+    if n <= 0:
+        return None
+    capacity = spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens
+    return PrefixTouch(instance_id, hashes[:n], block_tokens, capacity)
 
 
 class PrefixCacheState:

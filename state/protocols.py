@@ -273,7 +273,9 @@ class RouterState(LivenessReader, Dedupe, Ledger, LedgerRebuild, Slots, PrefixMo
     """What a router's window needs (``streams.service``, ``streams.blind``)."""
 
 
-class WorkerState(LivenessWriter, StepTimePublisher, Ledger, Claims, Results, Protocol):
+class WorkerState(
+    LivenessWriter, StepTimePublisher, Ledger, Claims, Results, PrefixModel, Protocol
+):
     """What a worker needs (``workers.worker``)."""
 
 

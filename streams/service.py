@@ -45,7 +45,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from routing.prefix import full_blocks
 from routing.types import Budget, InstanceView, Router
 from routing.window import (
     BUDGET_HOLD_S,
@@ -78,7 +77,7 @@ from schemas import (
     parse_query,
     routed_query_bytes,
 )
-from state.prefix import PrefixTouch
+from state.prefix import PrefixTouch, touch_of
 from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
@@ -675,15 +674,10 @@ class RouterService:
         One pipelined call; a query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
         for p, d in routed:
-            q = p.query
-            model = self.cluster.model_of(str(d.instance_id))
-            if q.id in taken or model.kind != "local":
-                continue
-            hashes, block_tokens = q.prefix_blocks()
-            n = full_blocks(len(hashes), q.estimated_prompt_tokens(), block_tokens)
-            if n > 0:
-                capacity = model.scheduler.kv_blocks * model.scheduler.block_size_tokens
-                touches.append(PrefixTouch(str(d.instance_id), hashes[:n], block_tokens, capacity))
+            iid = str(d.instance_id)
+            touch = None if p.query.id in taken else touch_of(iid, p.query, self.cluster.model_of(iid))
+            if touch is not None:
+                touches.append(touch)
         if touches:
             await self.state.prefix_touch_many(touches)
 
