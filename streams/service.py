@@ -10,11 +10,13 @@
    intent (step 5), the same decision is sent again to the same instance, whose worker
    drops a second copy; otherwise the query is decided again — the Redis reservations
    are idempotent per query id, so it is never paid or slotted twice;
-3. reads every instance's snapshot in one pipelined call and builds the views;
+3. reads every instance's snapshot in one pipelined call and builds the views (with the
+   router's model of each instance's prefix cache, ``state.prefix``);
 4. calls ``Router.decide`` once for the window (the service has no routing logic);
 5. reserves budget (per tenant) and capacity (per instance) atomically in Redis — a
    reservation lost to another router sends the query to the next window — and records
-   each routed query's intent (instance and decision) in its dedupe entry;
+   each routed query's intent (instance and decision) in its dedupe entry, and touches
+   its whole prefix blocks in its instance's prefix-cache model (one pipelined call);
 6. produces ``RoutedQuery`` to ``route.<instance>`` and a ``Decision`` to ``decisions``,
    and waits until Kafka acknowledged all of them. Only then does it return, and only
    then does the Faust adapter acknowledge the input offsets, so a crash at any point
@@ -75,6 +77,7 @@ from schemas import (
     parse_query,
     routed_query_bytes,
 )
+from state.prefix import PrefixTouch, touch_of
 from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
@@ -666,6 +669,23 @@ class RouterService:
             taken = await self.state.mark_intent_many(intents)
             if taken:
                 await self._drop_taken(taken, intents, out, candidates)
+            await self._touch_prefixes(plan.routed, taken)
+
+    async def _touch_prefixes(
+        self, routed: Sequence[tuple[Pending, Decision]], taken: Mapping[str, str]
+    ) -> None:
+        """The routed queries' whole prefix blocks become the most recent in their local
+        instance's prefix-cache model (``state.prefix``: an LRU of the instance's KV-cache
+        tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
+        One pipelined call; a query another router had taken is skipped."""
+        touches: list[PrefixTouch] = []
+        for p, d in routed:
+            iid = str(d.instance_id)
+            touch = None if p.query.id in taken else touch_of(iid, p.query, self.cluster.model_of(iid))
+            if touch is not None:
+                touches.append(touch)
+        if touches:
+            await self.state.prefix_touch_many(touches)
 
     async def _see(self, now: float, blind: bool) -> Sight:
         """Stage 1: the live instances' views (from Redis, or the blind ledger's memory)."""

@@ -25,6 +25,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from routing.engine_counts import reconcile_engine_counts
 from routing.steptime import StepTimeModel
 from routing.types import Budget, InstanceState, InstanceView
@@ -49,6 +52,8 @@ class LiveLike(Protocol):
     def engine_waiting(self) -> int | None: ...
     @property
     def engine_kv_usage(self) -> float | None: ...  # 0..1
+    @property
+    def prefix_hashes(self) -> npt.NDArray[np.uint64] | None: ...  # the prefix model, sorted
 
 
 def instance_views(
@@ -99,6 +104,7 @@ def instance_views(
                 stale=stale,
                 step_time=steps.get(spec.model),
                 dispatch_ms=float(dispatch.get(spec.model, 0.0)),
+                prefix_hashes=info.prefix_hashes,
             )
         )
     return views, excluded

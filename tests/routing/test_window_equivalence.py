@@ -187,6 +187,9 @@ class _Memory:
     async def mark_intent_many(self, intents: Any) -> dict[str, str]:
         return {}
 
+    async def prefix_touch_many(self, touches: Any) -> list[int]:
+        return [0] * len(touches)
+
     async def mark_routed_many(self, marks: Any) -> None:
         return None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
 from schemas import (
@@ -57,6 +59,7 @@ class Live:
     engine_running: int | None = None
     engine_waiting: int | None = None
     engine_kv_usage: float | None = None
+    prefix_hashes: npt.NDArray[np.uint64] | None = None
 
 
 def snap(iid: str, taken_at: float, n: int = 2) -> InstanceSnapshot:
@@ -140,6 +143,17 @@ def test_the_engine_kv_usage_sizes_the_requests_the_worker_did_not_list() -> Non
     listed = int(with_kv.prefilled_tokens[:2].sum() + with_kv.decoded_tokens[:2].sum())
     assert int(with_kv.prefilled_tokens[2]) == round(0.5 * capacity - listed)
     assert int(without.prefilled_tokens[2]) == int(round(without.prompt_tokens[:2].mean()))
+
+
+def test_views_carry_each_instances_prefix_model() -> None:
+    held = np.array([3, 9], dtype=np.uint64)
+    live = {
+        "s0": Live(snap("s0", 99.0), 0, True, 1.0, prefix_hashes=held),
+        "s1": Live(snap("s1", 99.0), 0, True, 1.0),
+    }
+    views, _ = instance_views(CLUSTER, live, 100.0, 5.0)
+    by = {v.instance_id: v.prefix_hashes for v in views}
+    assert by["s0"] is held and by["s1"] is None
 
 
 @dataclass
