@@ -256,11 +256,13 @@ class RedisLiveness(RedisCore):
         ttl_s: float,
         fit_mape: float | None = None,
         ttft_error: float | None = None,
+        dispatch_ms: float | None = None,
         now: float | None = None,
     ) -> int:
         """Publish ``model``'s online-refitted Eq. 9 coefficients; returns their version.
-        Without a new write for ``ttl_s`` the record expires (routers fall back to the
-        configured coefficients)."""
+        ``dispatch_ms``: the writer's estimate of the decision-to-engine delay, which routers
+        add to each TTFT they predict. Without a new write for ``ttl_s`` the record expires
+        (routers fall back to the configured coefficients and no dispatch delay)."""
         c = coefficients
 
         def opt(v: float | None) -> str:
@@ -280,6 +282,7 @@ class RedisLiveness(RedisCore):
                 opt(ttft_error),
                 self.keys.check_instance_id(instance_id),
                 _seconds_ms(ttl_s, "step-time ttl_s"),
+                "" if dispatch_ms is None or not dispatch_ms >= 0 else opt(dispatch_ms),
             ],
         )
         return int(version)
@@ -358,9 +361,15 @@ def _live_step_time(model: str, raw: Mapping[str, str] | None) -> LiveStepTime |
             instance_id=str(raw.get("instance", "")),
             fit_mape=_opt_float(raw.get("fit_mape")),
             ttft_error=_opt_float(raw.get("ttft_error")),
+            dispatch_ms=_opt_dispatch_ms(raw.get("dispatch_ms")),
         )
     except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
+
+
+def _opt_dispatch_ms(value: str | None) -> float | None:
+    ms = _opt_float(value)
+    return ms if ms is not None and ms >= 0 else None
 
 
 def _pairs(blob: str) -> dict[str, str]:

@@ -116,6 +116,7 @@ class StepTimePublisher(Protocol):
         ttl_s: float,
         fit_mape: float | None = None,
         ttft_error: float | None = None,
+        dispatch_ms: float | None = None,
         now: float | None = None,
     ) -> int: ...
 

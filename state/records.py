@@ -57,6 +57,7 @@ class LiveStepTime:
     instance_id: str  # the worker that wrote it
     fit_mape: float | None = None  # the fit's error on its rows (a fraction)
     ttft_error: float | None = None  # the writer's recent |predicted - measured| / measured
+    dispatch_ms: float | None = None  # the writer's median decision-to-engine delay
 
     def age_s(self, now: float) -> float:
         return max(0.0, now - self.at)

@@ -83,7 +83,13 @@ from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
-from streams.views import TenantWindow, instance_views, live_step_models, window_budget
+from streams.views import (
+    TenantWindow,
+    instance_views,
+    live_dispatch_ms,
+    live_step_models,
+    window_budget,
+)
 from wiring import topics
 
 log = logging.getLogger("switchyard.router")
@@ -691,12 +697,16 @@ class RouterService:
                     self._instance_ids, self._models, now
                 )
                 steps = live_step_models(records, now, self.config.step_time_max_age_s)
+                dispatch: dict[str, float] = live_dispatch_ms(
+                    records, now, self.config.step_time_max_age_s
+                )
                 self.metrics.observe_step_times(records, steps)
             else:
                 live, steps = await self.state.snapshots(self._instance_ids, now), {}
+                dispatch = {}
             self._blind.observe_instances(live, self.cluster, now)
             views, excluded = instance_views(
-                self.cluster, live, now, self.config.stale_after_s, self._arrivals, steps
+                self.cluster, live, now, self.config.stale_after_s, self._arrivals, steps, dispatch
             )
             for spec in self.cluster.instances:
                 info = live.get(spec.id)

@@ -1100,6 +1100,7 @@ class Worker:
                 ttl_s=self.config.step_time_ttl_s,
                 fit_mape=fit.mape,
                 ttft_error=router_err,
+                dispatch_ms=feed.dispatch_ms(),
             )
         )
         if version is not None:

@@ -9,10 +9,17 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from schemas import ClusterConfig, InstanceSnapshot, ResidentRequest, TenantBudget
+from schemas import (
+    ClusterConfig,
+    InstanceSnapshot,
+    ResidentRequest,
+    StepTimeCoefficients,
+    TenantBudget,
+)
 from streams.views import (
     UNLIMITED_USD,
     instance_views,
+    live_dispatch_ms,
     pacing_allowance,
     period_left_s,
     window_budget,
@@ -147,3 +154,24 @@ def test_views_carry_each_instances_prefix_model() -> None:
     views, _ = instance_views(CLUSTER, live, 100.0, 5.0)
     by = {v.instance_id: v.prefix_hashes for v in views}
     assert by["s0"] is held and by["s1"] is None
+
+
+@dataclass
+class StepRecord:
+    coefficients: StepTimeCoefficients
+    at: float
+    dispatch_ms: float | None
+
+
+def test_each_models_measured_dispatch_delay_reaches_its_views_while_fresh() -> None:
+    coef = StepTimeCoefficients(
+        c0_ms=5.0, c1_ms_per_token=0.02, c2_ms_per_ctx_token=1e-4, c3_ms_per_attn_unit=1e-6
+    )
+    recs = {"s": StepRecord(coef, 990.0, 42.0), "l": StepRecord(coef, 995.0, None)}
+    assert live_dispatch_ms(recs, 1000.0, max_age_s=600.0) == {"s": 42.0}
+    assert live_dispatch_ms(recs, 1591.0, max_age_s=600.0) == {}  # too old: not used
+    live = {iid: Live(snap(iid, 999.5), 0, True, 0.5) for iid in ("s0", "s1", "l0")}
+    views, _ = instance_views(
+        CLUSTER, live, 1000.0, 2.0, dispatch_ms=live_dispatch_ms(recs, 1000.0, 600.0)
+    )
+    assert {v.instance_id: v.dispatch_ms for v in views} == {"s0": 42.0, "s1": 42.0, "l0": 0.0}
