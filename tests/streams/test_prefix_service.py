@@ -1,6 +1,7 @@
 """The router service keeps each instance's prefix-cache model in Redis (issue 14, part 3):
 a routed query's whole prefix blocks are touched on the instance it went to (one pipelined
-call per window), and the snapshot the next window takes reads them back.
+call per window), and the snapshot the next window takes reads them back — into the
+decision: a turn whose prefix only one of two twin instances holds goes to that one.
 
 ``RouterService`` in-process on real Redis and real Kafka.
 """
@@ -17,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 from routing.policies import RouterContext, make_router
 from schemas import RoutedQuery
 from state import StateStore, period_id
+from state.prefix import PrefixTouch
 from streams.app import BatchSink
 from streams.service import Inbound, RouterConfig, RouterService
 from tests.routing.test_long_context import FakeQuality
@@ -73,6 +75,24 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
             for iid in ids:
                 got = held[iid]
                 assert (set(got.tolist()) if got is not None else set()) == expect.get(iid, set())
+        # a third conversation's prefix cached on the twin of where the second turn went (the
+        # tie-break's pick when nothing is cached): its next turn goes to the twin
+        first = where[1]  # a turn of the same size as the one below
+        twin = next(i.id for i in cfg.instances
+                    if i.model == cfg.instance(first).model and i.id != first)  # fmt: skip
+        other = [21, 22, 23, 24, 25]
+        spec = cfg.model_of(twin)
+        cap = spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens
+        await store.prefix_touch_many([PrefixTouch(twin, other, 512.0, cap)])
+        since = int(time.time() * 1000)
+        body = {"id": f"{rid}-t2", "prompt": "another conversation", "prompt_tokens": 512 * 6 + 100,
+                "prefix_hashes": [*other, 26], "prefix_block_tokens": 512}  # fmt: skip
+        outcome, _ = await svc.handle([Inbound(json.dumps(body).encode(), "queries", 0, 2)])
+        assert outcome.routed == 1
+        copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
+        went = [str(RoutedQuery.model_validate_json(v).decision.instance_id) for _, v in copies
+                if RoutedQuery.model_validate_json(v).query.id == f"{rid}-t2"]  # fmt: skip
+        assert went == [twin]
     finally:
         await producer.stop()
         await store.close()
