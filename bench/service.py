@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/service.py --quick      # < 120 s, one JSON object on stdout
     .venv/bin/python bench/service.py              # longer run, the figures of docs/benchmarks/service.md
+    .venv/bin/python bench/service.py --flood 10000 --policy batch-ilp-sfs   # lag in a flood
 
 Starts local Kafka and Redis (switchyard/services.py) when SWITCHYARD_KAFKA/REDIS are not
 set, and stops only what it started. Runs ``switchyard router`` processes (subprocesses,
@@ -13,6 +14,15 @@ query's capacity slot (one call per instance per batch), so capacity never binds
 Figures: ``routed_per_s`` = routed messages / (last routed − first routed), over the
 steady part of the run; ``added_ms`` = Kafka timestamp of the routed message − Kafka
 timestamp of the query (produce → routed), p50/p99 over every query.
+
+``--flood N`` (issue 12, item 5): N queries sent at once to a fresh router, ``--flood-runs``
+times without load shedding and as often with it (``--shed-after-slo``, ``--shed-backlog``:
+``switchyard router``'s options), interleaved. Each query is finished when it is routed or
+answered by the router (an error Result: ``shed`` or another code); the bench samples the
+lag (queries sent and not finished: in Kafka or in the router) every 50 ms and reports its
+maximum and the time to drain (first send → last query finished), the routed queries'
+added latency p50/p99, how many were shed and how long a shed query waited for its answer
+(p99); then the median of the runs for each side, and the load average.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from switchyard.processes import ProcessGroup  # noqa: E402
 from wiring import kafka_admin, topics  # noqa: E402
 
 SMALL, LARGE = "qwen2.5-7b-instruct", "llama3-chatqa-1.5-70b"  # names the demo predictor knows
+SLO_MS = 2000  # every benchmark query's TTFT SLO
 
 
 def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
@@ -117,7 +128,7 @@ async def produce(
     try:
         pending = []
         for i, qid in enumerate(ids):
-            body = f'{{"id":"{qid}","prompt":"benchmark query number {i} about trains","ttft_slo_ms":2000}}'
+            body = f'{{"id":"{qid}","prompt":"benchmark query number {i} about trains","ttft_slo_ms":{SLO_MS}}}'
             key = qid.encode()
             sent_at[key] = time.time()
             pending.append(await producer.send(topics.QUERIES, body.encode(), key=key))
@@ -201,6 +212,207 @@ async def phase(
         "routed_per_s": (hi - lo) / span if span and span > 0 else float("nan"),
         "added_ms_p50": pct(added, 50),
         "added_ms_p99": pct(added, 99),
+    }
+
+
+def bench_setup(
+    prefix: str, args: argparse.Namespace, bootstrap: str, redis_url: str, home: Path
+) -> tuple[str, dict[str, object], Path, ProcessGroup, list[str]]:
+    """A fresh run id, its cluster (written under ``home``), a process group whose children
+    reach Kafka and Redis in the run's namespace, and the routers' policy arguments."""
+    rid = prefix + uuid.uuid4().hex[:6]
+    spec = cluster_spec(rid, args.instances)
+    cluster_file = home / "cluster.json"
+    cluster_file.write_text(json.dumps(spec))
+    env = dict(
+        os.environ,
+        SWITCHYARD_KAFKA=bootstrap,
+        SWITCHYARD_REDIS=redis_url,
+        SWITCHYARD_NAMESPACE=f"bench{rid}",
+    )
+    policy_args: list[str] = ["--policy", args.policy]
+    if ":" not in args.policy:
+        from offline.demo_predictor import ensure_predictor
+
+        policy_args += ["--predictor", str(ensure_predictor())]
+    return rid, spec, cluster_file, ProcessGroup(home / "logs", env=env), policy_args
+
+
+def reader(bootstrap: str, names: list[str], group: str, reset: str) -> AIOKafkaConsumer:
+    """The bench's consumer of ``names`` (large fetches: it must keep up with a flood)."""
+    return AIOKafkaConsumer(
+        *names,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        auto_offset_reset=reset,
+        enable_auto_commit=False,
+        fetch_max_bytes=32 * 1024 * 1024,
+        max_partition_fetch_bytes=8 * 1024 * 1024,
+    )
+
+
+def start_routers(
+    procs: ProcessGroup,
+    args: argparse.Namespace,
+    cluster_file: Path,
+    policy_args: list[str],
+    app_id: str,
+    extra: list[str] = [],  # noqa: B006 - read only
+) -> list[Any]:
+    """``--routers`` router subprocesses in one consumer group, started from the end of
+    ``queries``; returns once each has its partitions."""
+    options = {
+        "--cluster": str(cluster_file),
+        "--window-ms": str(args.window_ms),
+        "--max-batch": str(args.max_batch),
+        "--partitions": str(args.partitions),
+        "--from": "latest",
+        "--app-id": app_id,
+    }
+    argv = [*policy_args, *(x for kv in options.items() for x in kv), *extra]
+    routers = [procs.switchyard(f"{app_id}-{k}", "router", *argv) for k in range(args.routers)]
+    for r in routers:
+        procs.wait_for_line(r, "assigned queries partitions", 120)
+    return routers
+
+
+async def flood_once(
+    bootstrap: str, store: object, consumer: AIOKafkaConsumer, ids: list[str], timeout_s: float
+) -> dict[str, Any]:
+    """Send ``ids`` at once; follow each until routed or answered; sample the lag."""
+    sent_at: dict[bytes, float] = {}
+    finished = routed = shed = other = 0
+    added: list[float] = []
+    answered_ms: list[float] = []
+    lag: list[tuple[float, int]] = []
+    t0 = time.time()
+    prod = asyncio.create_task(produce(bootstrap, ids, 0.0, sent_at))
+    n = len(ids)
+
+    async def sample() -> None:
+        while True:  # handed to the producer, not yet routed or answered
+            lag.append((time.time() - t0, len(sent_at)))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    last_s = t0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while finished < n and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=200, max_records=10000)
+            for tp, records in batch.items():
+                inst = topics.instance_of(tp.topic)
+                freed = []
+                for r in records:
+                    t_sent = sent_at.pop(r.key, None)
+                    if t_sent is None:
+                        continue
+                    finished += 1
+                    last_s = max(last_s, r.timestamp / 1000.0)
+                    if inst:
+                        routed += 1
+                        freed.append(r.key.decode())
+                        added.append(r.timestamp - t_sent * 1000.0)
+                    else:
+                        code = json.loads(r.value).get("code")
+                        shed += code == "shed"
+                        other += code != "shed"
+                        answered_ms.append(r.timestamp - t_sent * 1000.0)
+                if freed and inst:
+                    await store.release_slots(inst, freed)  # type: ignore[attr-defined]
+    finally:
+        sampler.cancel()
+        await prod
+    lag_max = max((b for _, b in lag), default=0)
+    return {
+        "sent": n,
+        "routed": routed,
+        "shed": shed,
+        "other_errors": other,
+        "lost": n - finished,
+        "added_ms_p50": round(pct(added, 50), 1),
+        "added_ms_p99": round(pct(added, 99), 1),
+        "shed_answer_ms_p99": round(pct(answered_ms, 99), 1),
+        "lag_max": lag_max,
+        "drain_s": round(last_s - t0, 2),
+        # the largest lag in each second from the first send
+        "lag_per_s": [
+            max((b for t, b in lag if int(t) == sec), default=0)
+            for sec in range(min(60, int(lag[-1][0]) + 1 if lag else 0))
+        ],
+    }
+
+
+async def flood_lag(
+    args: argparse.Namespace, bootstrap: str, redis_url: str, home: Path
+) -> dict[str, object]:
+    """``--flood N``: the lag of a fresh router in an N-query flood, without and with
+    shedding, ``--flood-runs`` times each, interleaved."""
+    from state import StateStore
+
+    rid, spec, cluster_file, procs, policy_args = bench_setup("f", args, bootstrap, redis_url, home)
+    ns = f"bench{rid}"
+    shedding = ["--shed-after-slo", str(args.shed_after_slo)]
+    shedding += ["--shed-backlog", str(args.shed_backlog)]
+    store = await StateStore.connect(redis_url, namespace=ns)
+    stop = asyncio.Event()
+    hb = asyncio.create_task(heartbeat_loop(store, spec, stop))
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "shed": []}
+    load: list[float] = []
+    try:
+        instance_ids = [i["id"] for i in spec["instances"]]  # type: ignore[index]
+        names = [topics.QUERIES, topics.RESULTS, *[topics.route(i) for i in instance_ids]]
+        await kafka_admin.ensure_topics({"bootstrap_servers": bootstrap}, names, args.partitions)
+        consumer = reader(bootstrap, names[1:], f"bench-flood-{rid}", "earliest")
+        await consumer.start()
+        try:
+            for k in range(args.flood_runs):
+                for side in ("off", "shed"):
+                    app_id = f"router-{rid}-{side}{k}"
+                    extra = shedding if side == "shed" else []
+                    routers = await asyncio.to_thread(
+                        start_routers, procs, args, cluster_file, policy_args, app_id, extra
+                    )
+                    await asyncio.sleep(2.0 if args.routers > 1 else 1.0)  # positions resolved
+                    load.append(os.getloadavg()[0])
+                    ids = [f"{rid}-{side}{k}-{i}" for i in range(args.flood)]
+                    cpu_s = sum(_cpu_s(r.pid) for r in routers)
+                    got = await flood_once(bootstrap, store, consumer, ids, 60.0 + args.flood / 200)
+                    cpu_s = sum(_cpu_s(r.pid) for r in routers) - cpu_s
+                    # the routers' CPU per query of the flood (routed or shed): what a shed saves
+                    got["router_cpu_us_per_query"] = round(cpu_s / args.flood * 1e6, 1)
+                    got["loadavg_1m_before"] = round(load[-1], 2)
+                    runs[side].append(got)
+                    for r in routers:
+                        if not r.alive():
+                            got["router_exit"] = r.tail(2000)
+                        procs.stop(r)
+                    print(json.dumps({side: got}), file=sys.stderr)
+        finally:
+            await consumer.stop()
+    finally:
+        stop.set()
+        await hb
+        procs.stop_all()
+        await store.close()
+    keys = ("added_ms_p50", "added_ms_p99", "lag_max", "drain_s", "shed", "shed_answer_ms_p99",
+            "router_cpu_us_per_query")  # fmt: skip
+    medians = {
+        side: {key: float(np.median([r[key] for r in rs])) for key in keys}
+        for side, rs in runs.items()
+    }
+    return {
+        "flood": args.flood,
+        "policy": args.policy,
+        "routers": args.routers,
+        "window_ms": args.window_ms,
+        "max_batch": args.max_batch,
+        "shedding": " ".join(shedding),
+        "slo_ms": SLO_MS,
+        "median": medians,
+        "runs": runs,
+        "loadavg_1m": [round(x, 2) for x in load],
+        "cpus": os.cpu_count(),
     }
 
 
@@ -387,6 +599,25 @@ def main() -> int:
         "(3 primaries, 1 replica each) started and stopped here",
     )
     ap.add_argument(
+        "--flood",
+        type=int,
+        default=0,
+        help="N queries at once, without and with load shedding: lag and added latency",
+    )
+    ap.add_argument("--flood-runs", type=int, default=3, help="--flood: runs of each side")
+    ap.add_argument(
+        "--shed-after-slo",
+        type=float,
+        default=0.5,
+        help="--flood: the shedding side's `switchyard router --shed-after-slo`",
+    )
+    ap.add_argument(
+        "--shed-backlog",
+        type=int,
+        default=0,
+        help="--flood: the shedding side's `switchyard router --shed-backlog` (0: off)",
+    )
+    ap.add_argument(
         "--latency-rate",
         type=float,
         default=0.0,
@@ -426,7 +657,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 if not bootstrap:
                     started.append("kafka")
                     bootstrap = services.kafka_up(home=home, port=services.free_port()).address
-        out = await (core if args.core else flood)(args, bootstrap, redis_url, home)
+        mode = core if args.core else flood_lag if args.flood else flood
+        out = await mode(args, bootstrap, redis_url, home)
         if "router_exit" in out:  # a router died: keep its logs
             kept = True
             out["logs"] = str(home / "logs")
@@ -452,21 +684,8 @@ async def flood(
     """Routers as subprocesses, a flood then a latency phase (the end-to-end figures)."""
     from state import StateStore
 
-    rid = "b" + uuid.uuid4().hex[:6]
-    spec = cluster_spec(rid, args.instances)
-    cluster_file = home / "cluster.json"
-    cluster_file.write_text(json.dumps(spec))
-    ns = f"bench{rid}"
-    env = dict(
-        os.environ, SWITCHYARD_KAFKA=bootstrap, SWITCHYARD_REDIS=redis_url, SWITCHYARD_NAMESPACE=ns
-    )
-    procs = ProcessGroup(home / "logs", env=env)
-    policy = args.policy
-    policy_args: list[str] = ["--policy", policy]
-    if ":" not in policy:
-        from offline.demo_predictor import ensure_predictor
-
-        policy_args += ["--predictor", str(ensure_predictor())]
+    rid, spec, cluster_file, procs, policy_args = bench_setup("b", args, bootstrap, redis_url, home)
+    ns, policy = f"bench{rid}", args.policy
     store = await StateStore.connect(redis_url, namespace=ns)
     stop = asyncio.Event()
     hb = asyncio.create_task(heartbeat_loop(store, spec, stop))
@@ -474,40 +693,13 @@ async def flood(
     n_latency = 3_000 if args.quick else 20_000
     out: dict[str, object] = {}
     try:
-        routers = []
-        for k in range(args.routers):
-            routers.append(
-                procs.switchyard(
-                    f"router-{k}",
-                    "router",
-                    "--cluster",
-                    str(cluster_file),
-                    *policy_args,
-                    "--window-ms",
-                    str(args.window_ms),
-                    "--max-batch",
-                    str(args.max_batch),
-                    "--partitions",
-                    str(args.partitions),
-                    "--from",
-                    "latest",
-                    "--app-id",
-                    f"router-{rid}",
-                )  # fmt: skip
-            )
-        for r in routers:
-            await asyncio.to_thread(procs.wait_for_line, r, "assigned queries partitions", 120)
+        routers = await asyncio.to_thread(
+            start_routers, procs, args, cluster_file, policy_args, f"router-{rid}"
+        )
         await asyncio.sleep(2.0 if args.routers > 1 else 0.5)  # let a multi-router group settle
         instance_ids = [i["id"] for i in spec["instances"]]  # type: ignore[index]
-        consumer = AIOKafkaConsumer(
-            *[topics.route(i) for i in instance_ids],
-            bootstrap_servers=bootstrap,
-            group_id=f"bench-discard-{rid}",
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
-            fetch_max_bytes=32 * 1024 * 1024,
-            max_partition_fetch_bytes=8 * 1024 * 1024,
-        )
+        routes = [topics.route(i) for i in instance_ids]
+        consumer = reader(bootstrap, routes, f"bench-discard-{rid}", "earliest")
         await consumer.start()
         try:
             commands_before = redis_commands(redis_url)

@@ -391,6 +391,8 @@ class _Stream:
 def _result_error(result: Result) -> HttpError:
     if result.code == ResultCode.INSUFFICIENT_QUOTA:  # the router gave up on it for budget
         return HttpError(429, str(result.error), "insufficient_quota", code="insufficient_quota")
+    if result.code == ResultCode.SHED:  # shed under overload: the client may retry later
+        return HttpError(503, str(result.error), "service_unavailable", code="shed")
     if not result.instance_id:
         return HttpError(503, str(result.error), "service_unavailable", code="not_routed")
     return HttpError(502, str(result.error), "engine_error", code="engine_error")

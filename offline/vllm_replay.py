@@ -235,7 +235,9 @@ def evaluate(
         est["sim_engine"] = sim
     for name, v in est.items():
         e = v + overhead_ms
-        out[f"mape_{name}"] = round(float(np.mean(np.abs(e - real) / real)), 4)
+        ape = np.abs(e - real) / real
+        out[f"mape_{name}"] = round(float(np.mean(ape)), 4)
+        out[f"p50_ape_{name}"] = round(float(np.median(ape)), 4)
         out[f"mean_ms_{name}"] = round(float(e.mean()), 1)
     out["mean_ms_real"] = round(float(real.mean()), 1)
     out["p50_ms_real"] = round(float(np.median(real)), 1)

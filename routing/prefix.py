@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import Query
-from schemas.prefix import reconciled_capacity
+from schemas.prefix import full_blocks, reconciled_capacity
 
 __all__ = [
     "ColumnPrefix",
@@ -65,11 +65,6 @@ class ColumnPrefix:
     hit_tokens: IntArray
     shared_tokens: IntArray | None
     block_tokens: FloatArray
-
-
-def full_blocks(n_hashes: int, prompt_tokens: int, block_tokens: float) -> int:
-    """Blocks of a prompt an engine caches once it is prefilled: only whole ones."""
-    return min(n_hashes, int(prompt_tokens / block_tokens + 1e-9))
 
 
 @dataclass(frozen=True)

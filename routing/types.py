@@ -79,6 +79,9 @@ class InstanceView:
     ``prefix_hashes``: what its prefix cache holds (the router's model of it), for hits.
     ``step_time``: the model's Eq. 9 coefficients as the workers refit them online
     (``routing.recalibration``, read from Redis with the snapshot); None: the configured ones.
+    ``dispatch_ms``: the delay from a decision to the engine receiving the query (the route
+    topic, the worker's poll), as its workers measure it; added to every predicted TTFT,
+    which counts from decision time.
     """
 
     instance_id: str
@@ -91,6 +94,7 @@ class InstanceView:
     # prefix block hashes the instance's cache holds, sorted (routing.prefix); None: unknown
     prefix_hashes: npt.NDArray[np.uint64] | None = None
     step_time: StepTimeModel | None = None
+    dispatch_ms: float = 0.0
 
 
 @dataclass(frozen=True)

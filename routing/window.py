@@ -21,6 +21,15 @@ The rules, in the order a window applies them:
    to another router), ``max_hold_s`` for everything else. While the service routes blind
    (Redis away) a short budget is the blind allowance's, so it waits ``max_hold_s`` too.
 
+Before all three, **load shedding** (``shed``) bounds the router's own lag in a flood: a
+query that has waited ``shed_after_slo`` times its TTFT SLO since it was sent (so, with a
+factor of 1 or more, one whose SLO can no longer be met) is given up at once, and past
+``shed_backlog`` queries waiting in the router (held + not yet decided) the excess is given
+up too, the earliest deadline (sent + SLO) first: the queries most likely to miss theirs.
+Each gets a final decision with the reason ``SHED`` (status ``REJECTED``), never silence,
+and costs no prediction and no reservation, so a router behind sheds its way back to the
+head of its input instead of routing every query late. Both knobs are off (0) by default.
+
 Budget pacing itself (how much a window may spend) is ``streams.views.window_budget`` in
 the service and the ``EvalConfig`` allowance in the simulator; both hand the router a
 ``Budget`` bounded by ``UNLIMITED_USD``.
@@ -29,13 +38,18 @@ the service and the ``EvalConfig`` allowance in the simulator; both hand the rou
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from routing.window_defaults import BUDGET_HOLD_S as BUDGET_HOLD_S
 from routing.window_defaults import MAX_BATCH as MAX_BATCH
 from routing.window_defaults import MAX_HOLD_S as MAX_HOLD_S
+from routing.window_defaults import SHED_AFTER_SLO as SHED_AFTER_SLO
+from routing.window_defaults import SHED_BACKLOG as SHED_BACKLOG
 from routing.window_defaults import UNLIMITED_USD as UNLIMITED_USD
 from schemas import Decision, DecisionFlag, DecisionStatus
 
@@ -55,6 +69,7 @@ class HoldReason(StrEnum):
     BLIND_SHORT = "blind_short"  # Redis away: the blind allowance (budget or slots) is short
     DEFERRED = "deferred"  # the router deferred it for another reason (its reason says)
     REJECTED = "rejected"  # the router rejected it: final at once
+    SHED = "shed"  # load shedding (``shed``): waited past its SLO, or the backlog is too long
 
 
 @dataclass(frozen=True)
@@ -64,14 +79,26 @@ class WindowSettings:
     max_batch: int = MAX_BATCH  # most queries the router is asked about per window
     max_hold_s: float = MAX_HOLD_S  # hold limit for capacity, no live instance, deferrals
     budget_hold_s: float = BUDGET_HOLD_S  # hold limit for budget deferrals
+    shed_backlog: int = SHED_BACKLOG  # most queries waiting in the router; 0: no limit
+    shed_after_slo: float = SHED_AFTER_SLO  # shed after waiting this × TTFT SLO; 0: never
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"WindowSettings.max_batch must be >= 1, got {self.max_batch}")
-        for name in ("max_hold_s", "budget_hold_s"):
+        if self.shed_backlog < 0:
+            raise ValueError(
+                f"WindowSettings.shed_backlog must be >= 0 (0: off), got {self.shed_backlog}"
+            )
+        for name in ("max_hold_s", "budget_hold_s", "shed_after_slo"):
             v = getattr(self, name)
             if not v >= 0:
                 raise ValueError(f"WindowSettings.{name} must be >= 0, got {v}")
+
+    @classmethod
+    def of(cls, config: object) -> WindowSettings:
+        """The settings from a config object that has a field of each name (the service's
+        ``RouterConfig``, the simulator's ``EvalConfig``): no knob is restated twice."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     def hold_limit_s(self, reason: HoldReason, blind: bool = False) -> float:
         """How long a query held for ``reason`` may wait before it is given up."""
@@ -111,6 +138,14 @@ class Admission(Generic[T]):
 
 
 @dataclass
+class Shedding(Generic[T]):
+    """Load shedding: who stays a candidate (in candidate order), who is shed now."""
+
+    kept: list[T] = field(default_factory=list)
+    shed: list[GivenUp[T]] = field(default_factory=list)
+
+
+@dataclass
 class WindowPlan(Generic[T]):
     """What a window does with each asked query once the router (and reservations) spoke."""
 
@@ -145,6 +180,57 @@ def hold_or_give_up(
         return Held(item, reason, text, decision)
     why = f"gave up after {limit_s:g} s: {text}"
     return GivenUp(item, reason, DecisionStatus.DEFERRED, why, decision)
+
+
+def shed(
+    candidates: Sequence[T],
+    sent_s: Sequence[float] | npt.NDArray[np.float64],
+    ttft_slo_s: Sequence[float] | npt.NDArray[np.float64],
+    now_s: float,
+    settings: WindowSettings = WindowSettings(),
+) -> Shedding[T]:
+    """Load shedding (before admission). ``candidates`` oldest first; ``sent_s`` when each
+    was sent (its wait counts from there), ``ttft_slo_s`` its TTFT SLO in seconds.
+
+    1. A candidate that has waited ``shed_after_slo`` × its SLO or longer is shed.
+    2. Past ``shed_backlog`` candidates left, the excess is shed, earliest deadline
+       (``sent_s + ttft_slo_s``) first; ties: the older candidate first.
+
+    Both off (0): everyone is kept, at no cost."""
+    out: Shedding[T] = Shedding()
+    n = len(candidates)
+    factor, backlog = settings.shed_after_slo, settings.shed_backlog
+    if n == 0 or (factor <= 0 and (backlog <= 0 or n <= backlog)):
+        out.kept = list(candidates)
+        return out
+    sent = np.asarray(sent_s, dtype=np.float64)
+    slo = np.asarray(ttft_slo_s, dtype=np.float64)
+    if sent.shape != (n,) or slo.shape != (n,):
+        raise ValueError(f"shed: {n} candidates but {sent.size} send times and {slo.size} SLOs")
+    waited = now_s - sent
+    late = waited >= factor * slo if factor > 0 else np.zeros(n, dtype=np.bool_)
+    why = {
+        int(k): f"shed: waited {waited[k]:.3g} s, past {factor:g} x its TTFT SLO of {slo[k]:.3g} s"
+        for k in np.flatnonzero(late)
+    }
+    left = np.flatnonzero(~late)
+    if backlog > 0 and left.size > backlog:
+        order = left[np.argsort((sent + slo)[left], kind="stable")]
+        text = (
+            f"shed: {left.size} queries waiting in the router, past its backlog limit of "
+            f"{backlog} (earliest deadline first)"
+        )
+        why.update({int(k): text for k in order[: left.size - backlog]})
+    if not why:
+        out.kept = list(candidates)
+        return out
+    for k, item in enumerate(candidates):
+        reason = why.get(k)
+        if reason is None:
+            out.kept.append(item)
+        else:
+            out.shed.append(GivenUp(item, HoldReason.SHED, DecisionStatus.REJECTED, reason))
+    return out
 
 
 def admit(

@@ -128,6 +128,7 @@ class ResultCode(StrEnum):
 
     NOT_ROUTED = "not_routed"  # the router gave up on it: no capacity, no model can hold it, …
     INSUFFICIENT_QUOTA = "insufficient_quota"  # the router gave up: the tenant's budget is spent
+    SHED = "shed"  # the router shed it under overload (routing.window.shed): retry later
 
 
 class Result(BaseModel):

@@ -92,3 +92,7 @@ def reconciled_capacity(
     new = capacity_tokens * min(max(ratio, 0.5), 2.0)
     return float(min(max(new, 0.01 * max_tokens), max_tokens))
 
+
+def full_blocks(n_hashes: int, prompt_tokens: int, block_tokens: float) -> int:
+    """Blocks of a prompt an engine caches once it is prefilled: only whole ones."""
+    return min(n_hashes, int(prompt_tokens / block_tokens + 1e-9))

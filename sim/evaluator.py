@@ -7,8 +7,9 @@ holds ``max_batch`` queries. As in ``streams/service.py``, a query that cannot b
 (held queries first, a retry window every ``window_s`` while any are held) until
 ``max_hold_s`` (``budget_hold_s`` for budget deferrals) has passed since the window that
 first saw it, then it is finally
-deferred; with no free slot anywhere the router is not asked at all. Those rules
-(admission, the batch cut, hold or give up) are ``routing.window``'s, the same functions
+deferred; with no free slot anywhere the router is not asked at all; load shedding, when
+configured, gives up queries that waited too long or overflow the backlog first. Those rules
+(shedding, admission, the batch cut, hold or give up) are ``routing.window``'s, the same functions
 the service calls. At the close the cluster is advanced to that instant, the SAME
 ``Router`` object the service uses decides the whole window on the instances' live views
 and the window's ``Budget``, and routed queries enter their instances right then (plus the
@@ -43,11 +44,14 @@ from routing.window import (
     BUDGET_HOLD_S,
     MAX_BATCH,
     MAX_HOLD_S,
+    SHED_AFTER_SLO,
+    SHED_BACKLOG,
     UNLIMITED_USD,
     HoldReason,
     WindowSettings,
     admit,
     settle,
+    shed,
 )
 from schemas import Decision, DecisionStatus
 from sim.cluster import SimCluster
@@ -83,6 +87,8 @@ class EvalConfig:
     max_tokens: int | None = None
     max_hold_s: float = MAX_HOLD_S  # a query waiting for capacity gives up after this
     budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
+    shed_backlog: int = SHED_BACKLOG  # load shedding past this many waiting queries; 0: off
+    shed_after_slo: float = SHED_AFTER_SLO  # shed after waiting this × TTFT SLO; 0: off
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.window_s) and self.window_s >= 0):
@@ -101,7 +107,7 @@ class EvalConfig:
     @property
     def window(self) -> WindowSettings:
         """The window rules' settings (``routing.window``)."""
-        return WindowSettings(self.max_batch, self.max_hold_s, self.budget_hold_s)
+        return WindowSettings.of(self)
 
 
 @dataclass(frozen=True)
@@ -330,9 +336,17 @@ def evaluate(
         i = end
         first_seen[fresh] = now  # the service counts a hold from the window it first saw
         views = cluster.views()
+        shedding = shed(
+            held + fresh, arrivals[held + fresh], workload.slo_ms[held + fresh] / 1000.0, now, rules
+        )
+        for g in shedding.shed:
+            decided[g.item] += 1
+            status[g.item] = _STATUS[g.status]
+        if shedding.shed:
+            flags["shed"] = flags.get("shed", 0) + len(shedding.shed)
         admission = admit(
-            held + fresh,
-            [float(first_seen[k]) for k in held + fresh],
+            shedding.kept,
+            [float(first_seen[k]) for k in shedding.kept],
             [v.free_slots for v in views],
             now,
             rules,

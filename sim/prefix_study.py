@@ -20,8 +20,16 @@ Workloads (both multi-turn, so a turn's prompt starts with the previous turn's):
   Poisson process and a user thinks an exponential ``THINK_S`` between turns (the dataset
   has no timestamps: an assumption, stated here and in the results).
 
+The Mooncake trace is also replayed faster (:data:`MOONCAKE_RATE_SCALES`, time compression):
+as recorded, the one tier that takes its 8-32k-token prompts is ~30% busy prefilling, so a
+query's TTFT is mostly its own prefill and a hit helps only the query that hits; under load
+the prefill a hit saves also shortens the queue for the queries behind it.
+
 Figures per (workload, policy): TTFT p50/p99, SLO attainment, OnTimeUtility, mean
 quality, cache hit rate (engine-counted prompt tokens served from cache / prompt tokens).
+Per workload, :func:`reuse_reference` gives the hit rates its prefixes allow at all (an
+unbounded cache) and with the cluster's cache sizes (conversation-sticky LRU), to read the
+policies' hit rates against.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routing.datasets import RoutingData
+from schemas import ClusterConfig
 from schemas.prefix import BYTES_PER_TOKEN, TEXT_BLOCK_BYTES, text_block_hashes
 from sim import report
 from sim.evaluator import EvalConfig, EvalResult, evaluate
@@ -58,6 +68,9 @@ MOONCAKE_SLO = "lognormal:3000,0.5"
 tier and ~1.9 s on the 51B tier)."""
 SHAREGPT_SLO = "lognormal:1000,0.5"
 """TTFT SLOs for chat turns of a few thousand tokens: median 1 s."""
+MOONCAKE_RATE_SCALES: tuple[float, ...] = (1.0, 1.5, 2.0)
+"""Replay speeds of the Mooncake trace (``Trace.scaled``): as recorded, 1.5x and 2x."""
+QUICK_RATE_SCALES: tuple[float, ...] = (1.0, 1.5)
 THINK_S = 20.0
 """Mean time a ShareGPT user takes between a reply and their next turn (assumed)."""
 MAX_TURNS = 8
@@ -174,6 +187,63 @@ def sharegpt_workload(
         prefix_hashes=[hashes[i] for i in order.tolist()],
         prefix_block_tokens=TEXT_BLOCK_BYTES // BYTES_PER_TOKEN,
     )
+
+
+def mooncake_name(rate_scale: float) -> str:
+    return "mooncake" if rate_scale == 1.0 else f"mooncake-x{rate_scale:g}"
+
+
+def reuse_reference(w: Workload, cluster: ClusterConfig) -> dict[str, float]:
+    """Prompt tokens found cached / prompt tokens, over the queries some instance can hold,
+    for two caches that are not policies but references:
+
+    - ``unbounded_hit_rate``: one cache that never evicts (every reused prefix is found);
+    - ``sticky_lru_hit_rate``: each conversation (its first block hash) pinned to one
+      instance by that hash, each instance an LRU of whole blocks holding its KV cache's
+      tokens, the running requests' own KV ignored. What the cache sizes allow a router
+      that keeps conversations together, blind to quality and load.
+
+    A hit is the leading run of a prompt's block hashes the cache holds, at most
+    ``prompt - 1`` tokens (``routing.prefix``). An offline figure: a loop per block."""
+    if w.prefix_hashes is None:
+        raise ValueError(f"workload {w.name!r} carries no prefix hashes")
+    bt = float(w.prefix_block_tokens)
+    caps = [m.scheduler.kv_blocks * m.scheduler.block_size_tokens
+            for i in cluster.instances for m in cluster.models
+            if m.name == i.model and m.kind == "local"]  # fmt: skip
+    if not caps:
+        raise ValueError("reuse_reference: the cluster has no local instance (no cache)")
+    longest = max(m.context_tokens() for m in cluster.models)
+    seen: set[int] = set()
+    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in caps]
+    hit_free = hit_sticky = total = 0
+    for hashes, prompt in zip(w.prefix_hashes, w.prompt_tokens.tolist(), strict=True):
+        if prompt + 1 > longest:
+            continue
+        hs = [int(h) for h in hashes.tolist()]
+        total += prompt
+        j = hs[0] % len(caps) if hs else 0
+        cache = lru[j]
+        for pool, acc in ((seen, 0), (cache, 1)):
+            n = 0
+            while n < len(hs) and hs[n] in pool:
+                n += 1
+            got = min(int(n * bt + 1e-9), prompt - 1)
+            if acc:
+                hit_sticky += got
+            else:
+                hit_free += got
+        whole = hs[: min(len(hs), int(prompt / bt + 1e-9))]
+        seen.update(whole)
+        for h in whole:
+            cache.pop(h, None)
+            cache[h] = None
+        while len(cache) * bt > caps[j] + 1e-9:
+            cache.popitem(last=False)
+    return {
+        "unbounded_hit_rate": hit_free / total if total else 0.0,
+        "sticky_lru_hit_rate": hit_sticky / total if total else 0.0,
+    }
 
 
 def summary_row(workload: str, label: str, res: EvalResult) -> dict[str, Any]:

@@ -10,6 +10,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
+import numpy.typing as npt
 import redis.asyncio as aioredis
 
 from schemas import InstanceSnapshot, ResidentRequest, StepTimeCoefficients
@@ -173,16 +175,20 @@ class RedisLiveness(RedisCore):
     async def snapshots_and_step_times(
         self, instance_ids: Sequence[str], models: Sequence[str], now: float
     ) -> tuple[dict[str, InstanceLive], dict[str, LiveStepTime]]:
-        """Every instance's live state and the online step-time coefficients of ``models``
-        (those with a record), in one pipelined round trip."""
+        """Every instance's live state, the online step-time coefficients of ``models``
+        (those with a record), and each instance's prefix-cache model (``state.prefix``), in
+        one pipelined round trip."""
         k = self.keys
         ids = list(dict.fromkeys(instance_ids))
         names = list(dict.fromkeys(models))
         replies = await self._script_many(
             "snapshot",
             [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids],
-            extra=[("HGETALL", k.step_time(m)) for m in names],
+            extra=[("HGETALL", k.step_time(m)) for m in names]
+            + [("ZRANGE", k.prefix(iid)[0], "0", "-1") for iid in ids],
         )
+        n_head = len(ids) + len(names)
+        prefixes = {iid: _sorted_hashes(raw) for iid, raw in zip(ids, replies[n_head:], strict=True)}
         out: dict[str, InstanceLive] = {}
         for iid, (hb_blob, res_blob, slots) in zip(ids, replies[: len(ids)], strict=True):
             hb = _pairs(hb_blob)
@@ -190,7 +196,9 @@ class RedisLiveness(RedisCore):
             slots_used = int(slots)
             taken_at = _opt_float(hb.get("at")) if hb else None
             if not hb or taken_at is None:
-                out[iid] = InstanceLive(iid, None, slots_used, False, math.inf)
+                out[iid] = InstanceLive(
+                    iid, None, slots_used, False, math.inf, prefix_hashes=prefixes[iid]
+                )
                 continue
             snap = InstanceSnapshot.model_construct(
                 instance_id=iid,
@@ -210,9 +218,10 @@ class RedisLiveness(RedisCore):
                 engine_running=_opt_int(hb.get("engine_running")),
                 engine_waiting=_opt_int(hb.get("engine_waiting")),
                 engine_kv_usage=_opt_float(hb.get("engine_kv_usage")),
+                prefix_hashes=prefixes[iid],
             )
         steps: dict[str, LiveStepTime] = {}
-        for m, raw in zip(names, replies[len(ids) :], strict=True):
+        for m, raw in zip(names, replies[len(ids) : n_head], strict=True):
             rec = _live_step_time(m, raw)
             if rec is not None:
                 steps[m] = rec
@@ -247,11 +256,13 @@ class RedisLiveness(RedisCore):
         ttl_s: float,
         fit_mape: float | None = None,
         ttft_error: float | None = None,
+        dispatch_ms: float | None = None,
         now: float | None = None,
     ) -> int:
         """Publish ``model``'s online-refitted Eq. 9 coefficients; returns their version.
-        Without a new write for ``ttl_s`` the record expires (routers fall back to the
-        configured coefficients)."""
+        ``dispatch_ms``: the writer's estimate of the decision-to-engine delay, which routers
+        add to each TTFT they predict. Without a new write for ``ttl_s`` the record expires
+        (routers fall back to the configured coefficients and no dispatch delay)."""
         c = coefficients
 
         def opt(v: float | None) -> str:
@@ -271,6 +282,7 @@ class RedisLiveness(RedisCore):
                 opt(ttft_error),
                 self.keys.check_instance_id(instance_id),
                 _seconds_ms(ttl_s, "step-time ttl_s"),
+                "" if dispatch_ms is None or not dispatch_ms >= 0 else opt(dispatch_ms),
             ],
         )
         return int(version)
@@ -349,9 +361,15 @@ def _live_step_time(model: str, raw: Mapping[str, str] | None) -> LiveStepTime |
             instance_id=str(raw.get("instance", "")),
             fit_mape=_opt_float(raw.get("fit_mape")),
             ttft_error=_opt_float(raw.get("ttft_error")),
+            dispatch_ms=_opt_dispatch_ms(raw.get("dispatch_ms")),
         )
     except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
+
+
+def _opt_dispatch_ms(value: str | None) -> float | None:
+    ms = _opt_float(value)
+    return ms if ms is not None and ms >= 0 else None
 
 
 def _pairs(blob: str) -> dict[str, str]:
@@ -366,3 +384,12 @@ def _residents_of(raw: Mapping[str, str]) -> list[ResidentRequest]:
     rs = [r for qid, text in raw.items() if (r := _decode_resident(qid, text)) is not None]
     rs.sort(key=lambda r: (r.arrived_at, r.query_id))
     return rs
+
+
+def _sorted_hashes(members: Sequence[str] | None) -> npt.NDArray[np.uint64] | None:
+    """A prefix model's members (decimal block hashes) as the sorted array the router's hit
+    lookups take (``routing.prefix.WindowPrefixes.hit_tokens``); None when it has none."""
+    if not members:
+        return None
+    out: npt.NDArray[np.uint64] = np.sort(np.array(members).astype(np.uint64))
+    return out

@@ -8,34 +8,45 @@ instance's KV cache, resized by the worker when vLLM's own ``prefix_cache_hits_t
 disagrees). Memory is bounded by that capacity: at most capacity / block tokens members
 per instance (≈ 500 for a 128k-token cache and 256-token blocks).
 
-Not yet wired: the router reading ``cached_many`` beside its snapshots and touching what it
-routed, and the worker touching on finish (issue 14, after the state split of issue 12).
+The router reads every instance's model in the snapshot it takes each window
+(``state.liveness``: ``InstanceLive.prefix_hashes``) and touches what it routed
+(``RedisPrefix.prefix_touch_many``, one pipelined call per window); a worker touches what
+finished on its instance (``workers.worker``). Not yet wired: the
+worker resizing the model from vLLM's counters
+(``workers/prefix_reconcile.py`` computes the capacity).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
+from schemas import ModelSpec, Query
+from schemas.prefix import full_blocks
 from state.keys import Keys
+from state.records import PrefixTouch as PrefixTouch  # re-exported: touches are built here
+from state.redis_core import RedisCore
 
 KEEP_S = 3600.0
 """An instance's model expires an hour after its last touch (an instance gone for good)."""
 
 
-@dataclass(frozen=True)
-class PrefixTouch:
-    """Blocks of one query on one instance, and that instance's model capacity."""
-
-    instance_id: str
-    hashes: Sequence[int]
-    block_tokens: float
-    capacity_tokens: float
+def touch_of(instance_id: str, q: Query, spec: ModelSpec) -> PrefixTouch | None:
+    """The touch of ``q``'s whole prefix blocks on ``instance_id`` (an instance of ``spec``),
+    its model's capacity that instance's KV-cache tokens; None for a cloud model (no cache
+    of ours) or a prompt shorter than one block."""
+    if spec.kind != "local":
+        return None
+    hashes, block_tokens = q.prefix_blocks()
+    n = full_blocks(len(hashes), q.estimated_prompt_tokens(), block_tokens)
+    if n <= 0:
+        return None
+    capacity = spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens
+    return PrefixTouch(instance_id, hashes[:n], block_tokens, capacity)
 
 
 class PrefixCacheState:
@@ -81,3 +92,17 @@ class PrefixCacheState:
             pipe.zrange(self.keys.prefix(iid)[0], 0, -1)
         got = cast(list[list[str]], await pipe.execute())
         return {iid: [int(h) for h in members] for iid, members in zip(instance_ids, got, strict=True)}
+
+
+class RedisPrefix(RedisCore):
+    """The store's side of the prefix-cache models (``state.protocols.PrefixModel``)."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, display_url: str) -> None:
+        super().__init__(client, keys, display_url)
+        self._prefix_state = PrefixCacheState(client, keys)
+
+    async def prefix_touch_many(self, touches: Sequence[PrefixTouch]) -> list[int]:
+        """``PrefixCacheState.touch_many`` on the store's client (one pipelined call)."""
+        if not touches:
+            return []
+        return await self._call("prefix_touch", self._prefix_state.touch_many(touches))

@@ -33,6 +33,7 @@ from state.records import (
     InstanceLive,
     LeaseOutcome,
     LiveStepTime,
+    PrefixTouch,
     ResultMark,
     RouteIntent,
     Verdict,
@@ -115,6 +116,7 @@ class StepTimePublisher(Protocol):
         ttl_s: float,
         fit_mape: float | None = None,
         ttft_error: float | None = None,
+        dispatch_ms: float | None = None,
         now: float | None = None,
     ) -> int: ...
 
@@ -261,11 +263,20 @@ class Results(Protocol):
     async def has_result(self, query_id: str) -> bool: ...
 
 
-class RouterState(LivenessReader, Dedupe, Ledger, LedgerRebuild, Slots, Protocol):
+class PrefixModel(Protocol):
+    """The routers' models of the instances' prefix caches (``state.prefix``); read back in
+    ``LivenessReader.snapshots`` (``InstanceLive.prefix_hashes``)."""
+
+    async def prefix_touch_many(self, touches: Sequence[PrefixTouch]) -> list[int]: ...
+
+
+class RouterState(LivenessReader, Dedupe, Ledger, LedgerRebuild, Slots, PrefixModel, Protocol):
     """What a router's window needs (``streams.service``, ``streams.blind``)."""
 
 
-class WorkerState(LivenessWriter, StepTimePublisher, Ledger, Claims, Results, Protocol):
+class WorkerState(
+    LivenessWriter, StepTimePublisher, Ledger, Claims, Results, PrefixModel, Protocol
+):
     """What a worker needs (``workers.worker``)."""
 
 

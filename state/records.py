@@ -3,8 +3,12 @@ rescuer reads back from Redis, independent of how it is stored."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from schemas import InstanceSnapshot, StepTimeCoefficients
 
@@ -32,6 +36,9 @@ class InstanceLive:
     engine_running: int | None = None  # as the engine itself reports (vLLM /metrics)
     engine_waiting: int | None = None
     engine_kv_usage: float | None = None  # KV-cache usage, 0..1
+    # block hashes the router's model of its prefix cache holds (state.prefix), sorted;
+    # None: no model kept for it (nothing routed there with prefix hashes yet, or expired)
+    prefix_hashes: npt.NDArray[np.uint64] | None = None
 
     def free_slots(self, max_slots: int) -> int:
         return max(0, max_slots - self.slots_used)
@@ -50,6 +57,7 @@ class LiveStepTime:
     instance_id: str  # the worker that wrote it
     fit_mape: float | None = None  # the fit's error on its rows (a fraction)
     ttft_error: float | None = None  # the writer's recent |predicted - measured| / measured
+    dispatch_ms: float | None = None  # the writer's median decision-to-engine delay
 
     def age_s(self, now: float) -> float:
         return max(0.0, now - self.at)
@@ -105,3 +113,14 @@ class RouteIntent:
     # query was routed to. Not stored: ``mark_intent_many`` lets such an intent replace the
     # original routing, which would otherwise count as "taken" and drop the re-routed copy.
     rerouted_from: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefixTouch:
+    """Blocks of one query on one instance, and that instance's model capacity
+    (``state.prefix``)."""
+
+    instance_id: str
+    hashes: Sequence[int]
+    block_tokens: float
+    capacity_tokens: float

@@ -32,6 +32,7 @@ from state.dedupe import RedisDedupe
 from state.keys import Keys
 from state.ledger import LEDGER_KEEP_S, LEDGER_REBUILD_CHUNK, RedisLedger, ledger_expire_at
 from state.liveness import RESIDENTS_KEEP_S, TOMBSTONE_KEEP_S, RedisLiveness
+from state.prefix import RedisPrefix
 from state.records import (
     BudgetStatus,
     ClaimOutcome,
@@ -85,7 +86,9 @@ __all__ = [
 ]
 
 
-class StateStore(RedisLiveness, RedisDedupe, RedisLedger, RedisClaims, RedisResults):
+class StateStore(
+    RedisLiveness, RedisDedupe, RedisLedger, RedisClaims, RedisResults, RedisPrefix
+):
     """Async access to Switchyard's Redis state; one per process, safe to share across tasks.
 
     One client and connection pool serving every concern (each behind its Protocol in

@@ -145,6 +145,13 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.dispatch_ms = Gauge(
+            "switchyard_router_dispatch_ms",
+            "Median delay from a decision to the engine receiving the query, as the model's "
+            "workers measure it; added to every TTFT the router predicts there",
+            ["model"],
+            registry=r,
+        )
 
     def observe_step_times(self, records: Mapping[str, Any], in_use: Mapping[str, Any]) -> None:
         """The online step-time records read this window (``state.LiveStepTime``)."""
@@ -160,6 +167,8 @@ class RouterMetrics:
             self.step_time_version.labels(model).set(rec.version)
             if rec.ttft_error is not None:
                 self.step_time_ttft_error.labels(model).set(rec.ttft_error)
+            if rec.dispatch_ms is not None:
+                self.dispatch_ms.labels(model).set(rec.dispatch_ms)
         for model in set(records) | set(in_use):
             self.step_time_in_use.labels(model).set(1 if model in in_use else 0)
 

@@ -10,11 +10,13 @@
    intent (step 5), the same decision is sent again to the same instance, whose worker
    drops a second copy; otherwise the query is decided again — the Redis reservations
    are idempotent per query id, so it is never paid or slotted twice;
-3. reads every instance's snapshot in one pipelined call and builds the views;
+3. reads every instance's snapshot in one pipelined call and builds the views (with the
+   router's model of each instance's prefix cache, ``state.prefix``);
 4. calls ``Router.decide`` once for the window (the service has no routing logic);
 5. reserves budget (per tenant) and capacity (per instance) atomically in Redis — a
    reservation lost to another router sends the query to the next window — and records
-   each routed query's intent (instance and decision) in its dedupe entry;
+   each routed query's intent (instance and decision) in its dedupe entry, and touches
+   its whole prefix blocks in its instance's prefix-cache model (one pipelined call);
 6. produces ``RoutedQuery`` to ``route.<instance>`` and a ``Decision`` to ``decisions``,
    and waits until Kafka acknowledged all of them. Only then does it return, and only
    then does the Faust adapter acknowledge the input offsets, so a crash at any point
@@ -48,6 +50,8 @@ from routing.window import (
     BUDGET_HOLD_S,
     MAX_BATCH,
     MAX_HOLD_S,
+    SHED_AFTER_SLO,
+    SHED_BACKLOG,
     Admission,
     HoldReason,
     Lost,
@@ -56,6 +60,7 @@ from routing.window import (
     admit,
     carried,
     settle,
+    shed,
 )
 from schemas import (
     BadMessage,
@@ -72,12 +77,19 @@ from schemas import (
     parse_query,
     routed_query_bytes,
 )
+from state.prefix import PrefixTouch, touch_of
 from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
 from streams.metrics import RouterMetrics
-from streams.views import TenantWindow, instance_views, live_step_models, window_budget
+from streams.views import (
+    TenantWindow,
+    instance_views,
+    live_dispatch_ms,
+    live_step_models,
+    window_budget,
+)
 from wiring import topics
 
 log = logging.getLogger("switchyard.router")
@@ -146,6 +158,12 @@ class RouterConfig:
     max_hold_s: float = MAX_HOLD_S  # a query waiting for capacity (or a live instance) gives up
     budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
     max_held: int = 20_000  # past this many held queries the agent stops reading new ones
+    # load shedding (routing.window.shed): past this many queries waiting in the router (held
+    # + read, not yet decided) the excess is shed, earliest deadline first; 0: off
+    shed_backlog: int = SHED_BACKLOG
+    # a query that waited this many times its TTFT SLO since it was sent (its Kafka
+    # timestamp) is shed: a Decision and an error Result with code ``shed``; 0: off
+    shed_after_slo: float = SHED_AFTER_SLO
     pacing_factor: float = 0.0
     slot_lease_s: float | None = (
         600.0  # a slot never touched by a worker for this long is reclaimed
@@ -166,7 +184,7 @@ class RouterConfig:
     @property
     def window(self) -> WindowSettings:
         """The window rules' settings (``routing.window``, shared with the simulator)."""
-        return WindowSettings(self.max_batch, self.max_hold_s, self.budget_hold_s)
+        return WindowSettings.of(self)
 
 
 @dataclass(frozen=True)
@@ -194,7 +212,8 @@ class WindowOutcome:
     routed: int = 0
     held: int = 0
     dead_letters: int = 0
-    final_errors: int = 0
+    final_errors: int = 0  # answered with a final Decision and an error Result (shed included)
+    shed: int = 0  # of those, shed under overload (routing.window.shed)
     dropped_duplicates: int = 0
     resent: int = 0  # redelivered queries whose crashed router's decision was sent again
 
@@ -612,12 +631,23 @@ class RouterService:
     async def _route(self, candidates: list[Pending], out: WindowOutput, blind: bool = False) -> None:
         """Decide and place one window's candidates (oldest first), in stages: see the
         instances, price the window, admit and cut (``routing.window.admit``), decide,
-        reserve, hold or give up (``routing.window.settle``), emit."""
+        reserve, hold or give up (``routing.window.settle``), emit. Before all, load
+        shedding (``routing.window.shed``) answers the queries it sheds."""
         now = time.time()
         self._stage = "decide"
+        rules = self.config.window
+        shedding = shed(
+            candidates,
+            [p.inbound.timestamp_s or p.first_seen_s for p in candidates],
+            [p.query.ttft_slo_ms / 1000.0 for p in candidates],
+            now,
+            rules,
+        )
+        for g in shedding.shed:
+            self._give_up(g.item, None, g.status, g.text, now, None, out, g.reason)
+        candidates = shedding.kept
         sight = await self._see(now, blind)
         money = await self._price(candidates, now, blind)
-        rules = self.config.window
         admission = admit(
             candidates,
             [p.first_seen_s for p in candidates],
@@ -639,6 +669,23 @@ class RouterService:
             taken = await self.state.mark_intent_many(intents)
             if taken:
                 await self._drop_taken(taken, intents, out, candidates)
+            await self._touch_prefixes(plan.routed, taken)
+
+    async def _touch_prefixes(
+        self, routed: Sequence[tuple[Pending, Decision]], taken: Mapping[str, str]
+    ) -> None:
+        """The routed queries' whole prefix blocks become the most recent in their local
+        instance's prefix-cache model (``state.prefix``: an LRU of the instance's KV-cache
+        tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
+        One pipelined call; a query another router had taken is skipped."""
+        touches: list[PrefixTouch] = []
+        for p, d in routed:
+            iid = str(d.instance_id)
+            touch = None if p.query.id in taken else touch_of(iid, p.query, self.cluster.model_of(iid))
+            if touch is not None:
+                touches.append(touch)
+        if touches:
+            await self.state.prefix_touch_many(touches)
 
     async def _see(self, now: float, blind: bool) -> Sight:
         """Stage 1: the live instances' views (from Redis, or the blind ledger's memory)."""
@@ -650,12 +697,16 @@ class RouterService:
                     self._instance_ids, self._models, now
                 )
                 steps = live_step_models(records, now, self.config.step_time_max_age_s)
+                dispatch: dict[str, float] = live_dispatch_ms(
+                    records, now, self.config.step_time_max_age_s
+                )
                 self.metrics.observe_step_times(records, steps)
             else:
                 live, steps = await self.state.snapshots(self._instance_ids, now), {}
+                dispatch = {}
             self._blind.observe_instances(live, self.cluster, now)
             views, excluded = instance_views(
-                self.cluster, live, now, self.config.stale_after_s, self._arrivals, steps
+                self.cluster, live, now, self.config.stale_after_s, self._arrivals, steps, dispatch
             )
             for spec in self.cluster.instances:
                 info = live.get(spec.id)
@@ -899,7 +950,8 @@ class RouterService:
         why: HoldReason,
     ) -> None:
         """Final answer for a query that will not be routed: a Decision and an error Result
-        (``code`` ``insufficient_quota`` when its budget was short, else ``not_routed``)."""
+        (``code`` ``insufficient_quota`` when its budget was short, ``shed`` when load
+        shedding gave it up, else ``not_routed``)."""
         q = p.query
         final = (d or _deferred(q, reason, now)).model_copy(
             update={
@@ -919,9 +971,7 @@ class RouterService:
             instance_id="",
             model="",
             error=f"not routed ({status.value}): {reason}",
-            code=ResultCode.INSUFFICIENT_QUOTA
-            if why == HoldReason.BUDGET
-            else ResultCode.NOT_ROUTED,
+            code=_RESULT_CODES.get(why, ResultCode.NOT_ROUTED),
             finished_at=now,
         )
         out.outs.append(
@@ -929,7 +979,11 @@ class RouterService:
         )
         out.routed_marks[q.id] = "-"
         out.outcome.final_errors += 1
-        self.metrics.decisions.labels(status.value).inc()
+        if why == HoldReason.SHED:
+            out.outcome.shed += 1
+            self.metrics.decisions.labels("shed").inc()
+        else:
+            self.metrics.decisions.labels(status.value).inc()
 
     def _hold_quietly(
         self,
@@ -1069,6 +1123,9 @@ class RouterService:
         if met:
             m.slo_predicted_met.inc(met)
 
+
+# the code of a given-up query's error Result, by why it was given up (else ``not_routed``)
+_RESULT_CODES = {HoldReason.BUDGET: ResultCode.INSUFFICIENT_QUOTA, HoldReason.SHED: ResultCode.SHED}
 
 _Placed = tuple[int, Pending, Decision]  # a query the router placed: position in asked, it, how
 

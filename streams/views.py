@@ -11,7 +11,8 @@ Pure functions (no I/O), so the rules are unit-tested without Kafka or Redis:
   own ``/metrics`` counts in the heartbeat (``routing.engine_counts``);
 - a model's Eq. 9 coefficients refitted online by its workers (``routing.recalibration``)
   replace the configured ones while their record is at most ``max_age_s`` old
-  (:func:`live_step_models`);
+  (:func:`live_step_models`), and so does the dispatch delay (decision → engine) they
+  measured (:func:`live_dispatch_ms`), which is added to every TTFT predicted there;
 - the window budget per tenant = min(remaining in the ledger period, pacing allowance),
   where the allowance spends the remaining budget evenly over what is left of the
   period, times ``pacing_factor`` (0 turns pacing off).
@@ -23,6 +24,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from routing.engine_counts import reconcile_engine_counts
 from routing.steptime import StepTimeModel
@@ -48,6 +52,8 @@ class LiveLike(Protocol):
     def engine_waiting(self) -> int | None: ...
     @property
     def engine_kv_usage(self) -> float | None: ...  # 0..1
+    @property
+    def prefix_hashes(self) -> npt.NDArray[np.uint64] | None: ...  # the prefix model, sorted
 
 
 def instance_views(
@@ -57,13 +63,16 @@ def instance_views(
     stale_after_s: float,
     arrival_rate_per_s: Mapping[str, float] | None = None,
     step_time: Mapping[str, StepTimeModel] | None = None,
+    dispatch_ms: Mapping[str, float] | None = None,
 ) -> tuple[list[InstanceView], list[str]]:
     """Views for the instances that are alive, and the ids left out (no heartbeat).
-    ``step_time``: per model, coefficients that replace the configured ones (online refit)."""
+    ``step_time``: per model, coefficients that replace the configured ones (online refit);
+    ``dispatch_ms``: per model, the measured decision-to-engine delay (else 0)."""
     views: list[InstanceView] = []
     excluded: list[str] = []
     rates = arrival_rate_per_s or {}
     steps = step_time or {}
+    dispatch = dispatch_ms or {}
     for spec in cluster.instances:
         info = live.get(spec.id)
         if info is None or not info.alive:
@@ -94,6 +103,8 @@ def instance_views(
                 arrival_rate_per_s=float(rates.get(spec.id, 0.0)),
                 stale=stale,
                 step_time=steps.get(spec.model),
+                dispatch_ms=float(dispatch.get(spec.model, 0.0)),
+                prefix_hashes=info.prefix_hashes,
             )
         )
     return views, excluded
@@ -106,6 +117,8 @@ class LiveStepTimeLike(Protocol):
     def coefficients(self) -> StepTimeCoefficients: ...
     @property
     def at(self) -> float: ...
+    @property
+    def dispatch_ms(self) -> float | None: ...
 
 
 def live_step_models(
@@ -116,6 +129,18 @@ def live_step_models(
         model: StepTimeModel.from_coefficients(rec.coefficients)
         for model, rec in records.items()
         if now - rec.at <= max_age_s
+    }
+
+
+def live_dispatch_ms(
+    records: Mapping[str, LiveStepTimeLike], now: float, max_age_s: float
+) -> dict[str, float]:
+    """Per model, the dispatch delay its workers measured, from records at most
+    ``max_age_s`` old that carry one."""
+    return {
+        model: float(rec.dispatch_ms)
+        for model, rec in records.items()
+        if rec.dispatch_ms is not None and now - rec.at <= max_age_s
     }
 
 

@@ -66,8 +66,11 @@ def _wait_alive(instance_ids: list[str], timeout_s: float = 60.0) -> None:
     asyncio.run(check())
 
 
-def _live_ttft_errors(metrics_url: str) -> dict[str, float]:
-    """``switchyard_router_live_ttft_error`` per model from the router's ``/metrics``."""
+def _live_ttft_errors(
+    metrics_url: str, name: str = "switchyard_router_live_ttft_error"
+) -> dict[str, float]:
+    """A per-model gauge (by default ``switchyard_router_live_ttft_error``) from the
+    router's ``/metrics``."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -76,7 +79,7 @@ def _live_ttft_errors(metrics_url: str) -> dict[str, float]:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "switchyard_router_live_ttft_error":
+        if family.name == name:
             for sample in family.samples:
                 out[sample.labels.get("model", "?")] = float(sample.value)
     return out
@@ -197,6 +200,13 @@ def run_demo(
             console.print(
                 "live TTFT error (mean |SFS predicted - measured| / measured, per model): "
                 + (shown or "not reported yet")
+            )
+            dispatch = _live_ttft_errors(
+                f"http://127.0.0.1:{metrics_port}/metrics", "switchyard_router_dispatch_ms"
+            )
+            console.print(
+                "dispatch delay added to each predicted TTFT (median decision -> engine): "
+                + (", ".join(f"{m} {ms:.0f} ms" for m, ms in sorted(dispatch.items())) or "none")
             )
         (home / f"report-{run}.json").write_text(json.dumps(report.as_dict(), indent=2))
         for child in group.children:

@@ -13,7 +13,14 @@ the instance's model settings from the cluster config:
     --served-model-name      ModelSpec.name
 
 and ``--enforce-eager`` (torch.compile's cache does not reload in this build, so every start
-would recompile: 45-105 s instead of ~35 s). A server runs in its own process group (the API
+would recompile: 45-105 s instead of ~35 s).
+
+CPU binding: left alone, vLLM's CPU build binds every server's OpenMP threads by NUMA node
+(``VLLM_CPU_OMP_THREADS_BIND=auto``), so two servers on one node are pinned to the *same* cores
+and each one's steps slow down whenever the other computes; no per-instance model can predict
+that. When several servers start together, each gets its own share of this process's CPUs
+instead (``cpu_binds``: 2 servers on 2 cores, one core each, like the 1-thread profile of the
+shipped model); a ``VLLM_CPU_OMP_THREADS_BIND`` in the environment is respected as given. A server runs in its own process group (the API
 server, its engine core and worker); it is recorded like Kafka and Redis
 (``<state dir>/services/vllm-<instance>.json``) and ``down`` stops exactly that group.
 """
@@ -101,6 +108,21 @@ def local_instances(cluster: ClusterConfig, count: int | None = None) -> list[In
     return chosen
 
 
+def cpu_binds(n_servers: int, cpus: list[int]) -> list[str | None]:
+    """One ``VLLM_CPU_OMP_THREADS_BIND`` per server: ``cpus`` split into ``n_servers`` contiguous
+    shares of equal size (at least one CPU; shares wrap around when servers outnumber CPUs).
+    ``None`` (vLLM's own choice) for a lone server or when the user set the variable."""
+    if n_servers < 2 or not cpus or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [None] * n_servers
+    ordered = sorted(cpus)
+    share = max(1, len(ordered) // n_servers)
+    binds: list[str | None] = []
+    for i in range(n_servers):
+        start = (i * share) % len(ordered)
+        binds.append(",".join(str(c) for c in ordered[start : start + share]))
+    return binds
+
+
 def _port_of(inst: InstanceSpec) -> int | None:
     if not inst.endpoint:
         return None
@@ -129,8 +151,10 @@ def vllm_up(
     specs = {m.name: m for m in cluster.models}
     out: list[services.ServiceRecord] = []
     started: list[services.ServiceRecord] = []
+    chosen = local_instances(cluster, count)
+    binds = cpu_binds(len(chosen), sorted(os.sched_getaffinity(0)))
     try:
-        for inst in local_instances(cluster, count):
+        for inst, bind in zip(chosen, binds, strict=True):
             name = RECORD_PREFIX + inst.id
             rec = records.get(name)
             if rec is not None and rec.alive():
@@ -139,7 +163,7 @@ def vllm_up(
             settings = ServerSettings.of(inst, specs[inst.model], shape)
             wanted = None if free_ports else _port_of(inst)
             port = services._pick_port(wanted, 0) if wanted else services.free_port()
-            rec = _start(env, settings, model_dir, port, home)
+            rec = _start(env, settings, model_dir, port, home, cpu_bind=bind)
             started.append(rec)
             out.append(rec)
         deadline = time.monotonic() + timeout_s
@@ -160,6 +184,7 @@ def _start(
     model_dir: Path,
     port: int,
     home: Path | None,
+    cpu_bind: str | None = None,
 ) -> services.ServiceRecord:
     run = (home or state_dir()) / f"vllm-{settings.instance}"
     run.mkdir(parents=True, exist_ok=True)
@@ -169,6 +194,8 @@ def _start(
         VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib),
         VLLM_CACHE_ROOT=str(run / "cache"),
     )
+    if cpu_bind is not None:
+        child_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     cmd = [str(env.vllm), *settings.args(model_dir, port)]
     with open(log, "wb") as out:
         child = subprocess.Popen(
@@ -193,6 +220,7 @@ def _start(
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "kv_cache_gib": settings.kv_cache_gib,
             "prefix_caching": settings.prefix_caching,
+            "cpu_bind": cpu_bind or child_env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         },
     )
     services._save(rec, home)

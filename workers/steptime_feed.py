@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +50,9 @@ class StepTimeFeedConfig:
     # a row measured under this per step is not a measurement: chunks that reached the worker
     # late and together (its event loop stalled) look like many tokens in no time
     min_step_ms: float = 0.5
+    # dispatch delays over this are not a path the router can predict (a query re-delivered
+    # after a worker restart, or decided under a skewed clock): they are not kept
+    max_dispatch_ms: float = 60_000.0
 
     def __post_init__(self) -> None:
         if self.decode_row_tokens < 1:
@@ -103,6 +107,7 @@ class StepTimeFeed:
         self.rows = {"ttft": 0, "decode": 0, "skipped": 0}
         self._err_router: deque[float] = deque(maxlen=config.error_window)
         self._err_refit: deque[float] = deque(maxlen=config.error_window)
+        self._dispatch_ms: deque[float] = deque(maxlen=config.error_window)
         self.last: RefitResult | None = None
 
     @property
@@ -131,7 +136,12 @@ class StepTimeFeed:
         predicted_ttft_ms: float | None = None,
         decided_at: float | None = None,
     ) -> None:
-        """The request is handed to the engine now."""
+        """The request is handed to the engine now (``decided_at``: the router's decision,
+        on the same clock as ``now``)."""
+        if decided_at is not None:
+            delay_ms = (now - decided_at) * 1000.0
+            if math.isfinite(delay_ms) and 0.0 <= delay_ms <= self.config.max_dispatch_ms:
+                self._dispatch_ms.append(delay_ms)
         self._order += 1
         self._live[qid] = _InFlight(
             self._order,
@@ -217,6 +227,10 @@ class StepTimeFeed:
         self.last = self.refitter.refit()
         return self.last
 
+    def dispatch_ms(self) -> float | None:
+        """The dispatch delay to add to the router's TTFT predictions (None: no sample yet)."""
+        return dispatch_estimate_ms(self._dispatch_ms)
+
     def ttft_error(self, source: str) -> float | None:
         """Mean relative TTFT error of recent requests: ``router`` or ``refit``."""
         errs = self._err_router if source == "router" else self._err_refit
@@ -224,3 +238,13 @@ class StepTimeFeed:
             return None
         value = float(np.mean(errs))
         return value if math.isfinite(value) else None
+
+
+def dispatch_estimate_ms(samples_ms: Iterable[float]) -> float | None:
+    """The median of the recent dispatch delays (ms), None without a finite sample.
+
+    The median, not the mean: a few queries re-delivered after a rebalance or held behind a
+    stalled poll would otherwise add their seconds to every prediction."""
+    a = np.fromiter(samples_ms, np.float64)
+    a = a[np.isfinite(a)]
+    return float(np.median(a)) if a.size else None

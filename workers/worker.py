@@ -56,6 +56,7 @@ from routing.steptime import StepTimeModel
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from state import StateUnavailable, WorkerState, period_id
+from state.prefix import touch_of
 from wiring import kafka_admin, kafka_records, topics
 from wiring.settings import Settings
 from workers.backends.base import Backend, EngineUnavailable, Generation, GenerationRequest
@@ -680,6 +681,10 @@ class Worker:
             if not await self._finish(rq, result.cost_usd):
                 self.metrics.duplicate_results.inc()
                 self.counts["duplicate_results"] += 1
+            # its prefix blocks are the most recent in this instance's cache (state.prefix)
+            touch = touch_of(self.instance_id, q, self.spec)
+            if touch is not None:
+                await self._best_effort(self.state.prefix_touch_many([touch]))
             self._observe(result, gen)
             if self.config.report_timings:
                 self._report_request(q.id, gen, running_before)
@@ -1095,6 +1100,7 @@ class Worker:
                 ttl_s=self.config.step_time_ttl_s,
                 fit_mape=fit.mape,
                 ttft_error=router_err,
+                dispatch_ms=feed.dispatch_ms(),
             )
         )
         if version is not None:

@@ -81,7 +81,8 @@ class SfsTtft:
     """Paper A's estimators: SFS over live state, LPS when there is none.
 
     Models without a step-time model (e.g. a cloud endpoint with no profile) get
-    TTFT 0 and count as estimates: their latency is not constrained.
+    TTFT 0 and count as estimates: their latency is not constrained. Every other TTFT
+    counts from decision time: the view's ``dispatch_ms`` (decision → engine) is added.
     """
 
     cluster: ClusterConfig
@@ -117,10 +118,13 @@ class SfsTtft:
         return np.full(prompt_tokens.size, t if math.isfinite(t) else 3.6e6)
 
     def _never(self, view: InstanceView, prompt_tokens: IntArray, ttft: FloatArray) -> FloatArray:
-        """A prompt beyond the model's context (``max_model_len``) is never served there."""
+        """A prompt beyond the model's context (``max_model_len``) is never served there;
+        any other TTFT gets the dispatch delay."""
         from routing.sfs import UNSERVABLE_MS
 
         limit = self._spec(view).context_tokens()
+        if self._step(view) is not None and view.dispatch_ms > 0:
+            ttft = ttft + view.dispatch_ms
         out: FloatArray = np.where(prompt_tokens + 1 > limit, UNSERVABLE_MS, ttft)
         return out
 

@@ -11,7 +11,9 @@ The similarities are computed in fixed blocks of ``SIM_BLOCK_ROWS`` query rows (
 one zero-padded): BLAS picks its kernel by the shapes of a call (a single row goes to a
 matrix-vector kernel, whose sums round differently), so one call per window would make a
 query's prediction depend on how many others shared its window. With every call the same
-shape, a query predicts bit for bit the same alone as in any window, which is what lets
+shape, a query predicts the same alone as in any window (bit for bit on CPUs whose BLAS
+kernel rounds every row of a block alike; to ~1e-7 relative where a row's position in the
+block changes its rounding, as on an AMD EPYC with OpenBLAS 0.3.31), which is what lets
 ``QualityPredictor`` memoise predictions by text.
 """
 

@@ -2,7 +2,9 @@
 
 A prediction is a function of the query's text alone (the features are row by row and
 the kNN's similarity products have a fixed shape, ``knn.SIM_BLOCK_ROWS``), so a text seen
-before can take its rows from here bit for bit. Keys are 16-byte BLAKE2b digests of the
+before can take its rows from here: equal to a recomputation to float32 rounding (bit for
+bit where BLAS rounds every row of a block alike; some CPUs' kernels round a row by its
+position in the block, ~1e-7 relative). Keys are 16-byte BLAKE2b digests of the
 UTF-8 text (the memo holds no prompt text); values sit in preallocated ``[capacity, m]``
 arrays, overwritten first in, first out once full.
 """

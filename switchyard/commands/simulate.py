@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import typer
 
+from routing.window_defaults import SHED_AFTER_SLO, SHED_BACKLOG
 from switchyard.commands.router import POLICY_HELP
 from wiring.paths import REPO_ROOT, shared_data, vendored_data
 
@@ -148,6 +149,18 @@ def register(app: typer.Typer) -> None:
         budget_usd_per_query: float = typer.Option(
             None, help="Window budget per query in it (USD); none: unlimited"
         ),
+        shed_backlog: int = typer.Option(
+            SHED_BACKLOG,
+            min=0,
+            help="Load shedding, as `switchyard router --shed-backlog`: past this many "
+            "waiting queries shed the excess, earliest deadline first; 0: off",
+        ),
+        shed_after_slo: float = typer.Option(
+            SHED_AFTER_SLO,
+            min=0.0,
+            help="Load shedding, as `switchyard router --shed-after-slo`: shed a query that "
+            "waited this many times its TTFT SLO; 0: off",
+        ),
         utility_lambda: float = typer.Option(
             20.0, help="λ in utility = score − λ·cost (quality per USD)"
         ),
@@ -223,6 +236,8 @@ def register(app: typer.Typer) -> None:
                 max_batch=max_batch,
                 budget_usd_per_query=budget_usd_per_query,
                 utility_lambda=utility_lambda,
+                shed_backlog=shed_backlog,
+                shed_after_slo=shed_after_slo,
             )
             options = parse_options(policy_opt)
             for p in policy:
@@ -266,6 +281,8 @@ def register(app: typer.Typer) -> None:
             "window_s": window_s,
             "max_batch": max_batch,
             "budget_usd_per_query": budget_usd_per_query,
+            "shed_backlog": shed_backlog,
+            "shed_after_slo": shed_after_slo,
             "utility_lambda": utility_lambda,
             "seed": seed,
             "feature_cache": feature_cache,

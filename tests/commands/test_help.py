@@ -42,3 +42,21 @@ def test_policy_options_from_the_command_line(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "no option deltaa" in bad.stderr, bad.stderr
     worse = cli("router", "--policy-opt", "delta", cwd=tmp_path)
     assert worse.returncode == 2 and "'delta' is not key=value" in worse.stderr, worse.stderr
+
+
+def test_load_shedding_is_settable_from_router_and_simulate(tmp_path: Path) -> None:
+    """``--shed-backlog`` / ``--shed-after-slo`` on both commands, into the one window
+    settings both worlds read (``routing.window.WindowSettings``)."""
+    from routing.window import WindowSettings
+    from sim.evaluator import EvalConfig
+    from streams.service import RouterConfig
+
+    for command in ("router", "simulate"):
+        out = cli(command, "--help", cwd=tmp_path).stdout
+        assert "--shed-backlog" in out and "--shed-after-slo" in out, command
+        bad = cli(command, "--shed-backlog", "-1", cwd=tmp_path)
+        assert bad.returncode == 2 and "shed-backlog" in bad.stderr, bad.stderr
+    want = WindowSettings(shed_backlog=500, shed_after_slo=0.5)
+    assert RouterConfig(shed_backlog=500, shed_after_slo=0.5).window == want
+    assert EvalConfig(shed_backlog=500, shed_after_slo=0.5).window == want
+    assert RouterConfig().window == EvalConfig().window == WindowSettings()

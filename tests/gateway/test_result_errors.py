@@ -24,3 +24,8 @@ def test_other_give_ups_and_engine_errors_keep_their_status() -> None:
         assert (err.status, err.kind, err.code) == (503, "service_unavailable", "not_routed")
     err = _result_error(_result(instance_id="i1", model="m", error="engine died"))
     assert (err.status, err.code) == (502, "engine_error")
+
+
+def test_a_shed_query_is_503_with_code_shed() -> None:
+    err = _result_error(_result(code=ResultCode.SHED, error="not routed (rejected): shed: x"))
+    assert (err.status, err.kind, err.code) == (503, "service_unavailable", "shed")

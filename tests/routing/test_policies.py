@@ -446,3 +446,29 @@ def test_policy_options_parse_resolve_and_name_mistakes() -> None:
         effective_options("latency-aware", deltaa=0.1)
     # the options reach the policy
     assert make_router("latency-aware", context(), **parse_options(["delta=0.3"])).inner.delta == 0.3  # type: ignore[attr-defined]
+
+
+def test_the_dispatch_delay_is_in_every_predicted_ttft_and_the_slo_check() -> None:
+    from dataclasses import replace
+
+    from routing.steptime import StepTimeModel
+
+    step = StepTimeModel(5.0, 0.02, 1e-4, 1e-6)
+    ctx = RouterContext.build(
+        cluster(), FakeQuality(), FakeLength(), step_time={m: step for m in MODELS}
+    )
+    vs = views([2, 10, 0, 4], [4, 4, 4, 4])
+    late = [replace(v, dispatch_ms=250.0) for v in vs]
+    prompts, outs = np.array([300, 800]), np.array([20, 20])
+    for v, w in zip(vs, late, strict=True):
+        for f in (ctx.ttft_model.standalone_ms, ctx.ttft_model.in_order_ms):
+            assert f(w, prompts, outs) == pytest.approx(f(v, prompts, outs) + 250.0)
+    qs = queries([300, 800], 400.0)
+    on_time = make_router(DEFAULT_POLICY, ctx).decide(qs, vs, Budget(window_usd=1.0), now=1.0)
+    assert all(DecisionFlag.SLO_INFEASIBLE not in d.flags for d in on_time)
+    # 450 ms of dispatch: no instance can start a token within the 400 ms SLO any more
+    slow = [replace(v, dispatch_ms=450.0) for v in vs]
+    ds = make_router(DEFAULT_POLICY, ctx).decide(qs, slow, Budget(window_usd=1.0), now=1.0)
+    for d in ds:
+        assert d.predicted_ttft_ms is not None and d.predicted_ttft_ms >= 450.0
+        assert DecisionFlag.SLO_INFEASIBLE in d.flags

@@ -147,8 +147,10 @@ def test_artefact_round_trip_gives_identical_predictions(
     pred.save(tmp_path / "p.npz")
     again = load_predictor(tmp_path / "p.npz")
     a, b = pred.predict(test.texts[:100]), again.predict(test.texts[:100])
-    np.testing.assert_array_equal(a.mean, b.mean)
-    np.testing.assert_array_equal(a.lower, b.lower)
+    # to float32 rounding: ``pred``'s memo holds predictions made in other windows, and BLAS
+    # may round a row by its position in the product (tests/routing/test_quality_memo.py)
+    np.testing.assert_allclose(a.mean, b.mean, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(a.lower, b.lower, rtol=0, atol=1e-6)
     assert again.models == pred.models and again.level == pred.level
     np.testing.assert_array_equal(
         again.length.predict(test.texts[:5], test.prompt_tokens[:5]),

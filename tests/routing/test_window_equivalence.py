@@ -7,7 +7,9 @@ in-memory Redis and Kafka, the wall clock set to each window's time, the views a
 the simulator's window as its snapshots and ledger). Both worlds must admit the same
 candidates in the same order, ask the router the same queries, get the same decisions, and
 hold, give up and route exactly the same queries: the window rules are
-``routing.window``'s in both, so this holds by construction — this test keeps it so.
+``routing.window``'s in both, so this holds by construction — this test keeps it so. A
+second stream is a flood (issue 12, item 5) with load shedding on: both worlds must shed
+the same queries in the same windows, and each shed query is answered (code ``shed``).
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ def _cluster() -> ClusterConfig:
     return ClusterConfig.model_validate({"models": models, "instances": instances})
 
 
-def _workload(n: int = 160, seed: int = 3) -> Workload:
-    """Two bursts far above the 16 slots (capacity holds, the batch cut), then a trickle."""
+def _workload(n: int = 160, seed: int = 3, flood: bool = False) -> Workload:
+    """Two bursts far above the 16 slots (capacity holds, the batch cut), then a trickle;
+    ``flood``: 300 queries at once instead of the first burst, SLOs from 0.3 to 3 s."""
     rng = np.random.default_rng(seed)
+    first = rng.uniform(0, 0.01, 300) if flood else rng.uniform(0, 0.3, 70)
+    n = n + 230 if flood else n
     arrivals = np.sort(
-        np.concatenate([rng.uniform(0, 0.3, 70), rng.uniform(2.0, 2.2, 60), rng.uniform(3, 8, n - 130)])
+        np.concatenate([first, rng.uniform(2.0, 2.2, 60), rng.uniform(3, 8, n - len(first) - 60)])
     )
     n_data = 50
     return build_workload(
@@ -83,7 +88,7 @@ def _workload(n: int = 160, seed: int = 3) -> Workload:
         MODELS,
         rng.integers(100, 3000, n_data),
         np.full((n_data, 2), np.nan),
-        SloSpec.parse("fixed:2000"),
+        SloSpec.parse("uniform:300,3000" if flood else "fixed:2000"),
         rng,
         default_output_tokens=np.array([200.0, 300.0]),
         name="equivalence",
@@ -102,6 +107,7 @@ class _Window:
 class _Trace:
     """What one world's window rules did, window by window, as query ids."""
 
+    shed: list[tuple[float, list[str], list[str]]] = field(default_factory=list)  # seen, shed
     admitted: list[tuple[float, list[str]]] = field(default_factory=list)
     asked: list[list[tuple[str, str, str | None]]] = field(default_factory=list)
     settled: list[tuple[list[str], list[tuple[str, str]], list[tuple[str, str, str]]]] = field(
@@ -132,16 +138,22 @@ def _qid(item: Any, workload: Workload) -> str:
 
 def _record_rules(monkeypatch: pytest.MonkeyPatch, module: Any, trace: _Trace, w: Workload,
                   windows: list[_Window] | None = None) -> None:  # fmt: skip
-    """Record ``admit`` and ``settle`` as ``module`` calls them (the one engine)."""
+    """Record ``shed``, ``admit`` and ``settle`` as ``module`` calls them (the one engine)."""
     seen: set[str] = set()
 
-    def admit(candidates: Sequence[Any], first_seen_s: Sequence[float], free: Sequence[int],
-              now_s: float, *a: Any, **kw: Any) -> Any:  # fmt: skip
+    def shed(candidates: Sequence[Any], sent_s: Sequence[float], slo_s: Sequence[float],
+             now_s: float, *a: Any, **kw: Any) -> Any:  # fmt: skip
         ids = [_qid(c, w) for c in candidates]
-        trace.admitted.append((now_s, ids))
+        out = window_mod.shed(candidates, sent_s, slo_s, now_s, *a, **kw)
+        trace.shed.append((now_s, ids, [_qid(g.item, w) for g in out.shed]))
         if windows is not None:
             windows.append(_Window(now_s, [q for q in ids if q not in seen]))
             seen.update(ids)
+        return out
+
+    def admit(candidates: Sequence[Any], first_seen_s: Sequence[float], free: Sequence[int],
+              now_s: float, *a: Any, **kw: Any) -> Any:  # fmt: skip
+        trace.admitted.append((now_s, [_qid(c, w) for c in candidates]))
         return window_mod.admit(candidates, first_seen_s, free, now_s, *a, **kw)
 
     def settle(*a: Any, **kw: Any) -> Any:
@@ -157,6 +169,7 @@ def _record_rules(monkeypatch: pytest.MonkeyPatch, module: Any, trace: _Trace, w
         )
         return plan
 
+    monkeypatch.setattr(module, "shed", shed)
     monkeypatch.setattr(module, "admit", admit)
     monkeypatch.setattr(module, "settle", settle)
 
@@ -173,6 +186,9 @@ class _Memory:
 
     async def mark_intent_many(self, intents: Any) -> dict[str, str]:
         return {}
+
+    async def prefix_touch_many(self, touches: Any) -> list[int]:
+        return [0] * len(touches)
 
     async def mark_routed_many(self, marks: Any) -> None:
         return None
@@ -216,13 +232,19 @@ class _Clock:
         return time.monotonic()
 
 
-@pytest.mark.parametrize("policy", ["latency-aware", "batch-ilp-sfs"])
+@pytest.mark.parametrize(
+    ("policy", "flood"),
+    [("latency-aware", False), ("batch-ilp-sfs", False), ("latency-aware", True),
+     ("batch-ilp-sfs", True)],
+)  # fmt: skip
 def test_service_and_simulator_windows_decide_alike(
-    policy: str, monkeypatch: pytest.MonkeyPatch
+    policy: str, flood: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg, w = _cluster(), _workload()
+    cfg, w = _cluster(), _workload(flood=flood)
+    # the flood: shed past 120 waiting queries, or after waiting 0.8 x the SLO
+    shedding: dict[str, Any] = {"shed_backlog": 120, "shed_after_slo": 0.8} if flood else {}
     ecfg = EvalConfig(window_s=0.05, max_batch=12, budget_usd_per_query=6e-4,
-                      max_hold_s=1.5, budget_hold_s=0.3)  # fmt: skip
+                      max_hold_s=1.5, budget_hold_s=0.3, **shedding)  # fmt: skip
     options: dict[str, Any] = {"deadline_ms": 60_000.0} if policy.startswith("batch") else {}
 
     def router() -> Router:
@@ -257,7 +279,8 @@ def test_service_and_simulator_windows_decide_alike(
     monkeypatch.setattr(service_mod, "time", clock)
     sink = _Sink()
     rcfg = RouterConfig(window_s=ecfg.window_s, max_batch=ecfg.max_batch,
-                        max_hold_s=ecfg.max_hold_s, budget_hold_s=ecfg.budget_hold_s)  # fmt: skip
+                        max_hold_s=ecfg.max_hold_s, budget_hold_s=ecfg.budget_hold_s,
+                        **shedding)  # fmt: skip
     svc = _Replay(cfg, _Recording(router(), svc_trace), _Memory(), sink, rcfg)
     svc.script = {win.now: win for win in windows}
     row = {w.query_id(i): i for i in range(w.n)}
@@ -267,7 +290,7 @@ def test_service_and_simulator_windows_decide_alike(
             clock.now = win.now
             items = [
                 Inbound(w.query(row[q], ecfg.max_tokens).model_dump_json().encode(), "queries",
-                        0, row[q])  # fmt: skip
+                        0, row[q], timestamp_s=float(w.arrival_s[row[q]]))  # fmt: skip
                 for q in win.fresh
             ]
             if items:
@@ -278,6 +301,7 @@ def test_service_and_simulator_windows_decide_alike(
     asyncio.run(replay())
 
     # ---- identical, window by window
+    assert svc_trace.shed == sim_trace.shed
     assert svc_trace.admitted == sim_trace.admitted
     assert svc_trace.asked == sim_trace.asked
     assert svc_trace.settled == sim_trace.settled
@@ -288,6 +312,13 @@ def test_service_and_simulator_windows_decide_alike(
     assert sum(len(r) for r, _, _ in sim_trace.settled) > 40
     assert {"budget"} <= reasons | gave_up, (reasons, gave_up)
     assert any(len(ids) > ecfg.max_batch for _, ids in sim_trace.admitted)  # the batch cut
+    shed_ids = {q for _, _, gone in sim_trace.shed for q in gone}
+    if flood:  # both rules fired: the backlog at the flood, the wait on held queries
+        assert max(len(ids) for _, ids, _ in sim_trace.shed) > 120
+        assert max(len(ids) for _, ids in sim_trace.admitted) <= 120
+        assert len(shed_ids) > 150 and res.flags["shed"] == len(shed_ids)
+    else:
+        assert not shed_ids
 
     # ---- and the final outcome per query: what each world did with it
     routed_to: dict[str, str] = {}
@@ -315,6 +346,13 @@ def test_service_and_simulator_windows_decide_alike(
     budget_given_up = {q for _, _, given in svc_trace.settled for q, r, _ in given if r == "budget"}
     assert set(codes) == {q for q, st in finals.items() if st != "routed"}
     for q, code in codes.items():
-        assert code == ("insufficient_quota" if q in budget_given_up else "not_routed"), q
-    if policy == "latency-aware":
+        want_code = "shed" if q in shed_ids else "not_routed"
+        assert code == ("insufficient_quota" if q in budget_given_up else want_code), q
+    shed_why = {json.loads(v)["reason"].split(" ")[1] for t, _, v in sink.sent
+                if t == topics.DECISIONS and json.loads(v).get("reason", "").startswith("shed:")}  # fmt: skip
+    if flood:  # both kinds: "shed: waited …" and "shed: <backlog> queries waiting …"
+        assert "waited" in shed_why and any(x.isdigit() and int(x) > 120 for x in shed_why)
+    else:
+        assert not shed_why
+    if policy == "latency-aware" and not flood:
         assert budget_given_up

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from routing.datasets import RoutingData
+from schemas import ClusterConfig
 from schemas.prefix import TEXT_BLOCK_BYTES
 from sim import prefix_study as ps
-from sim.traffic import SloSpec
+from sim.traffic import SloSpec, Workload
 
 
 def conversation(turns: int, k: int) -> dict[str, object]:
@@ -66,3 +67,28 @@ def test_conversations_become_turns_that_extend_each_other(tmp_path: Path) -> No
                 break
     assert extends == 8  # turns 2 and 3 of each of the 4 conversations
     assert (np.diff(w.arrival_s) >= 0).all()
+
+
+def test_reuse_reference_counts_what_an_unbounded_and_a_sticky_lru_cache_find() -> None:
+    from tests.sim.fakes import STEP
+
+    model = {"name": "m", "input_usd_per_token": 1e-7, "output_usd_per_token": 1e-7,
+             "step_time": STEP, "scheduler": {"kv_blocks": 4, "block_size_tokens": 16}}  # fmt: skip
+    cl = ClusterConfig.model_validate(
+        {"models": [model], "instances": [{"id": "m-0", "model": "m"}]}
+    )
+    # 16-token blocks; the cache holds 4 of them (64 tokens); the last prompt fits nowhere
+    chains = [[1, 2, 3], [4, 5, 6], [1, 2, 7], [4, 5, 8], [4, 5, 8, 9], [1]]
+    prompts = [48, 48, 48, 50, 60, 100]
+    n = len(chains)
+    w = Workload(np.arange(n, dtype=np.float64), np.zeros(n, dtype=np.int64),
+                 np.array(prompts), np.zeros((n, 1)), np.zeros((n, 1)), np.full(n, 1e3),
+                 [""] * n, [""] * n, ["m"],
+                 prefix_hashes=[np.array(c, dtype=np.uint64) for c in chains],
+                 prefix_block_tokens=16)  # fmt: skip
+    ref = ps.reuse_reference(w, cl)
+    total = 48 + 48 + 48 + 50 + 60
+    # unbounded: turns 3 and 4 find 2 blocks, turn 5 three; the LRU has evicted 1 and 2 by
+    # turn 3 and 4 by turn 4 (its touches: 1 2 3 | 4 5 6 -> 3 4 5 6 | 1 2 7 -> 6 1 2 7 ...)
+    assert ref["unbounded_hit_rate"] == (32 + 32 + 48) / total
+    assert ref["sticky_lru_hit_rate"] == 48 / total

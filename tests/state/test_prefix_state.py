@@ -44,3 +44,38 @@ async def test_redis_lru_equals_the_simulators_model(redis_url: str) -> None:
             await state.touch_many([PrefixTouch("a", [1], 512.0, 0.0)])
     finally:
         await client.aclose()
+
+
+async def test_the_router_snapshot_carries_each_instances_prefix_model(redis_url: str) -> None:
+    """What a router touches (``StateStore.prefix_touch_many``) comes back, sorted, in the
+    next snapshot it takes (the same pipelined call), and on to the router's views."""
+    from schemas import ClusterConfig
+    from state import StateStore
+    from streams.views import instance_views
+
+    store = await StateStore.connect(redis_url, namespace="t" + uuid.uuid4().hex[:10])
+    try:
+        await store.heartbeat("a", "m", ttl_s=30, max_concurrency=4, now=100.0)
+        evicted = await store.prefix_touch_many(
+            [
+                PrefixTouch("a", [30, 10, 20], 512.0, 3 * 512.0),
+                PrefixTouch("b", [7], 512.0, 3 * 512.0),
+                PrefixTouch("a", [40], 512.0, 3 * 512.0),  # over capacity: 30 goes first
+            ]
+        )
+        assert evicted == [0, 0, 1]
+        live, _ = await store.snapshots_and_step_times(["a", "b", "c"], ["m"], now=101.0)
+        a, b, c = (live[i].prefix_hashes for i in "abc")
+        assert a is not None and a.dtype == np.uint64 and a.tolist() == [10, 20, 40]
+        assert b is not None and b.tolist() == [7] and not live["b"].alive
+        assert c is None  # never touched
+        assert (await store.snapshots(["a"], now=101.0))["a"].prefix_hashes.tolist() == [10, 20, 40]  # type: ignore[union-attr]
+        model = {"name": "m", "input_usd_per_token": 1e-7, "output_usd_per_token": 1e-7}
+        cluster = ClusterConfig.model_validate(
+            {"models": [model], "instances": [{"id": "a", "model": "m"}, {"id": "b", "model": "m"}]}
+        )
+        views, excluded = instance_views(cluster, live, 101.0, 5.0)
+        assert excluded == ["b"] and views[0].prefix_hashes is not None
+        assert views[0].prefix_hashes.tolist() == [10, 20, 40]
+    finally:
+        await store.close()

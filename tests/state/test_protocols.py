@@ -11,6 +11,7 @@ from state.claims import RedisClaims
 from state.dedupe import RedisDedupe
 from state.ledger import RedisLedger
 from state.liveness import RedisLiveness
+from state.prefix import RedisPrefix
 from state.results import RedisResults
 from state.store import StateStore
 
@@ -24,6 +25,7 @@ CONCERNS: dict[type, type] = {
     protocols.Slots: RedisClaims,
     protocols.Claims: RedisClaims,
     protocols.Results: RedisResults,
+    protocols.PrefixModel: RedisPrefix,
 }
 LIFECYCLE = {"connect", "close", "ping"}
 

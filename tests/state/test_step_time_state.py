@@ -27,7 +27,13 @@ async def test_publish_then_read_with_the_snapshot_in_one_round_trip(redis_url: 
             model, COEF, rows=40, instance_id="inst-1", ttl_s=60.0, fit_mape=0.08
         )
         v2 = await store.step_time_publish(
-            model, COEF, rows=41, instance_id="inst-2", ttl_s=60.0, ttft_error=0.05
+            model,
+            COEF,
+            rows=41,
+            instance_id="inst-2",
+            ttl_s=60.0,
+            ttft_error=0.05,
+            dispatch_ms=37.5,
         )
         assert (v1, v2) == (1, 2)
         live, recs = await store.snapshots_and_step_times(["inst-1"], [model, "other"], time.time())
@@ -35,7 +41,12 @@ async def test_publish_then_read_with_the_snapshot_in_one_round_trip(redis_url: 
         rec = recs[model]
         assert rec.coefficients == COEF and rec.version == 2 and rec.rows == 41
         assert rec.instance_id == "inst-2" and rec.ttft_error == 0.05
+        assert rec.dispatch_ms == 37.5
         assert rec.fit_mape is None  # the last write had none: not a stale value
+        # a write without a dispatch delay clears the last one (never a stale value)
+        await store.step_time_publish(model, COEF, rows=42, instance_id="inst-1", ttl_s=60.0)
+        _, recs = await store.snapshots_and_step_times(["inst-1"], [model], time.time())
+        assert recs[model].dispatch_ms is None and recs[model].version == 3
         assert rec.age_s(time.time()) < 5.0
         # a malformed record is ignored (the configured coefficients apply), never a crash
         key = store.keys.step_time(model)

@@ -602,3 +602,60 @@ async def test_the_window_reads_the_online_step_time_with_the_snapshot(env) -> N
 
     want = StepTimeModel.from_coefficients(coef)
     assert seen == [[want, want], [None, None]]  # off: the configured coefficients
+
+
+async def test_a_flood_past_the_backlog_sheds_with_a_decision_and_a_result_each(
+    env, kafka_bootstrap: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Load shedding (routing.window.shed) in the service: 3 queries sent 10 s ago (past
+    their 2 s SLO) and a flood of 12 into 2 slots with a backlog limit of 6. The 3 late ones
+    and the 6 with the earliest deadlines are shed: each gets a final Decision saying so and
+    an error Result with code ``shed``; 2 are routed, 4 held. Nothing is lost or silent."""
+    rid, store, producer = env
+    await heartbeat(store, rid, max_concurrency=1)
+    done: list[Inbound] = []
+    spec = cluster(rid, 1)
+    from tests.streams.fake_router import SpreadRouter
+
+    config = RouterConfig(window_s=0.01, shed_backlog=6, shed_after_slo=1.0)
+    svc = RouterService(spec, SpreadRouter(spec), store, BatchSink(producer), config,
+                        on_done=done.append, period_id=period_id)  # fmt: skip
+    since = int(time.time() * 1000)
+    now = time.time()
+    late = [Inbound(body(f"{rid}-old{k}"), "queries", 1, k, timestamp_s=now - 10.0)
+            for k in range(3)]  # fmt: skip
+    flood = [Inbound(body(f"{rid}-f{k:02d}"), "queries", 0, k, timestamp_s=now - 0.5 + k * 0.01)
+             for k in range(12)]  # fmt: skip
+    outcome, unfinished = await svc.handle(late + flood)
+    assert (outcome.shed, outcome.final_errors, outcome.routed, outcome.held) == (9, 9, 2, 4)
+    assert [it.offset for it in unfinished] == [8, 9, 10, 11] and svc.held_count == 4
+    shed_ids = {f"{rid}-old{k}" for k in range(3)} | {f"{rid}-f{k:02d}" for k in range(6)}
+
+    def mine(got: list[tuple[bytes, bytes]]) -> set[str]:
+        return {k.decode() for k, _ in got if k.decode() in shed_ids}
+
+    results = await read_topic(kafka_bootstrap, topics.RESULTS, since,
+                               lambda got: mine(got) == shed_ids)  # fmt: skip
+    codes = {k.decode(): json.loads(v) for k, v in results if k.decode().startswith(rid)}
+    assert set(codes) == shed_ids
+    assert all(r["code"] == "shed" and r["error"].startswith("not routed (rejected): shed:")
+               for r in codes.values())  # fmt: skip
+    decisions = await read_topic(kafka_bootstrap, topics.DECISIONS, since,
+                                 lambda got: len(mine(got)) >= len(shed_ids))  # fmt: skip
+    final = {
+        k.decode(): json.loads(v) for k, v in decisions
+        if k.decode() in shed_ids and json.loads(v)["status"] == "rejected"
+    }  # fmt: skip
+    assert set(final) == shed_ids
+    assert all(d["reason"].startswith("shed: waited") for q, d in final.items() if "old" in q)
+    assert all("past its backlog limit of 6" in d["reason"]
+               for q, d in final.items() if "old" not in q)  # fmt: skip
+    samples = {(s.name, s.labels.get("status")): s.value
+               for m in svc.metrics.registry.collect() for s in m.samples}  # fmt: skip
+    assert samples[("switchyard_router_decisions_total", "shed")] == 9
+    # the held four are routed once slots free: every one of the 15 answered exactly once
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        await store.release_slots(iid, await store.slots_held(iid))
+    again = await svc.retry_held()
+    assert again is not None and (again.routed, again.shed) == (2, 0)
+    assert sorted(it.offset for it in done) == [8, 9] and svc.held_count == 2

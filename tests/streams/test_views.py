@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
-from schemas import ClusterConfig, InstanceSnapshot, ResidentRequest, TenantBudget
+from schemas import (
+    ClusterConfig,
+    InstanceSnapshot,
+    ResidentRequest,
+    StepTimeCoefficients,
+    TenantBudget,
+)
 from streams.views import (
     UNLIMITED_USD,
     instance_views,
+    live_dispatch_ms,
     pacing_allowance,
     period_left_s,
     window_budget,
@@ -50,6 +59,7 @@ class Live:
     engine_running: int | None = None
     engine_waiting: int | None = None
     engine_kv_usage: float | None = None
+    prefix_hashes: npt.NDArray[np.uint64] | None = None
 
 
 def snap(iid: str, taken_at: float, n: int = 2) -> InstanceSnapshot:
@@ -133,3 +143,35 @@ def test_the_engine_kv_usage_sizes_the_requests_the_worker_did_not_list() -> Non
     listed = int(with_kv.prefilled_tokens[:2].sum() + with_kv.decoded_tokens[:2].sum())
     assert int(with_kv.prefilled_tokens[2]) == round(0.5 * capacity - listed)
     assert int(without.prefilled_tokens[2]) == int(round(without.prompt_tokens[:2].mean()))
+
+
+def test_views_carry_each_instances_prefix_model() -> None:
+    held = np.array([3, 9], dtype=np.uint64)
+    live = {
+        "s0": Live(snap("s0", 99.0), 0, True, 1.0, prefix_hashes=held),
+        "s1": Live(snap("s1", 99.0), 0, True, 1.0),
+    }
+    views, _ = instance_views(CLUSTER, live, 100.0, 5.0)
+    by = {v.instance_id: v.prefix_hashes for v in views}
+    assert by["s0"] is held and by["s1"] is None
+
+
+@dataclass
+class StepRecord:
+    coefficients: StepTimeCoefficients
+    at: float
+    dispatch_ms: float | None
+
+
+def test_each_models_measured_dispatch_delay_reaches_its_views_while_fresh() -> None:
+    coef = StepTimeCoefficients(
+        c0_ms=5.0, c1_ms_per_token=0.02, c2_ms_per_ctx_token=1e-4, c3_ms_per_attn_unit=1e-6
+    )
+    recs = {"s": StepRecord(coef, 990.0, 42.0), "l": StepRecord(coef, 995.0, None)}
+    assert live_dispatch_ms(recs, 1000.0, max_age_s=600.0) == {"s": 42.0}
+    assert live_dispatch_ms(recs, 1591.0, max_age_s=600.0) == {}  # too old: not used
+    live = {iid: Live(snap(iid, 999.5), 0, True, 0.5) for iid in ("s0", "s1", "l0")}
+    views, _ = instance_views(
+        CLUSTER, live, 1000.0, 2.0, dispatch_ms=live_dispatch_ms(recs, 1000.0, 600.0)
+    )
+    assert {v.instance_id: v.dispatch_ms for v in views} == {"s0": 42.0, "s1": 42.0, "l0": 0.0}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from schemas.cluster import ClusterConfig
 from switchyard import vllm_model, vllm_servers
 
@@ -40,3 +42,17 @@ def test_model_dir_is_deterministic(tmp_path: Path) -> None:
     assert len(tok["model"]["vocab"]) <= cfg["vocab_size"]
     tcfg = json.loads((a / "tokenizer_config.json").read_text())
     assert tcfg["eos_token"] == "<|im_end|>" and "<|im_start|>" in tcfg["chat_template"]
+
+
+def test_servers_started_together_get_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    # vLLM's "auto" would pin both engines to the same core of the node
+    assert vllm_servers.cpu_binds(2, [0, 1]) == ["0", "1"]
+    assert vllm_servers.cpu_binds(2, [3, 2, 5, 4]) == ["2,3", "4,5"]
+    assert vllm_servers.cpu_binds(3, [0, 1]) == ["0", "1", "0"]
+    assert vllm_servers.cpu_binds(1, [0, 1]) == [None]  # a lone server: vLLM's own choice
+
+
+def test_a_users_bind_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert vllm_servers.cpu_binds(2, [0, 1]) == [None, None]

@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import time
@@ -80,6 +81,56 @@ def _prompt(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+def _namespaced(
+    real_servers: ClusterConfig, rid: str, tmp_path: Path
+) -> tuple[ClusterConfig, Path]:
+    """The servers' cluster with instance ids of this test's own, written for the CLI."""
+    spec = real_servers.model_dump(mode="json", exclude_none=True)
+    for inst in spec["instances"]:
+        inst["id"] = f"{rid}-{inst['id']}"
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(spec))
+    return ClusterConfig.model_validate(spec), cluster_file
+
+
+def _env(kafka_bootstrap: str, redis_url: str, rid: str) -> dict[str, str]:
+    return dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
+                SWITCHYARD_NAMESPACE=f"t{rid}")  # fmt: skip
+
+
+async def _router_and_workers(
+    procs: ProcessGroup, store: StateStore, cluster_file: Path, ids: list[str], rid: str,
+    *, max_hold_s: float, heartbeat_s: float, log_level: str,
+) -> None:  # fmt: skip
+    """The default policy's router and one ``vllm`` worker per instance; back once all live."""
+    router = procs.switchyard(
+        "router",
+        "router", "--cluster", str(cluster_file),  # the default policy, batch-ilp-sfs
+        "--window-ms", "50", "--from", "latest", "--app-id", f"router-{rid}",
+        "--max-hold-s", str(max_hold_s),
+    )  # fmt: skip
+    await asyncio.to_thread(procs.wait_for_line, router, "assigned queries partitions", 90)
+    for iid in ids:
+        procs.switchyard(
+            f"worker-{iid}",
+            "worker", "--instance", iid, "--cluster", str(cluster_file), "--backend", "vllm",
+            "--heartbeat-s", str(heartbeat_s), "--log-level", log_level,
+        )  # fmt: skip
+    async with asyncio.timeout(90):
+        while not all(v.alive for v in (await store.snapshots(ids, time.time())).values()):
+            await asyncio.sleep(0.2)
+
+
+async def _results_consumer(kafka_bootstrap: str) -> AIOKafkaConsumer:
+    consumer = AIOKafkaConsumer(
+        topics.RESULTS, bootstrap_servers=kafka_bootstrap, enable_auto_commit=False,
+        auto_offset_reset="latest", group_id=None,
+    )  # fmt: skip
+    await consumer.start()
+    await consumer.seek_to_end()
+    return consumer
+
+
 def test_openai_sdk_against_real_vllm(real_servers: ClusterConfig) -> None:
     import openai
 
@@ -103,48 +154,40 @@ def test_openai_sdk_against_real_vllm(real_servers: ClusterConfig) -> None:
         )
 
 
+def test_servers_run_their_engines_on_separate_cores(
+    real_servers: ClusterConfig, vllm_home: Path
+) -> None:
+    """vLLM's own ``auto`` bind would pin both engines to one core; each has its own here."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a user-set bind, or a single CPU: nothing to separate")
+    cores: dict[str, str] = {}
+    for rec in services.load_records(vllm_home).values():
+        if rec.name.startswith(vllm_servers.RECORD_PREFIX):
+            text = Path(rec.log).read_text(errors="replace")
+            found = re.findall(r"local_rank=0, core ids=\[([0-9, ]+)\]", text)
+            assert found, f"{rec.name}: no OpenMP binding line in {rec.log}"
+            cores[rec.name] = found[-1]
+    assert len(cores) >= 2
+    sets = [set(v.replace(" ", "").split(",")) for v in cores.values()]
+    assert all(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[i + 1 :]), cores
+
+
 async def test_router_workers_real_vllm(
     real_servers: ClusterConfig, kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
     rid = "v" + uuid.uuid4().hex[:6]
-    ns = f"t{rid}"
-    spec = real_servers.model_dump(mode="json", exclude_none=True)
-    for inst in spec["instances"]:
-        inst["id"] = f"{rid}-{inst['id']}"
-    cluster = ClusterConfig.model_validate(spec)
-    cluster_file = tmp_path / "cluster.json"
-    cluster_file.write_text(json.dumps(spec))
-    env = dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
-               SWITCHYARD_NAMESPACE=ns)  # fmt: skip
-    procs = ProcessGroup(tmp_path / "logs", env=env)
-    store = await StateStore.connect(redis_url, namespace=ns)
+    cluster, cluster_file = _namespaced(real_servers, rid, tmp_path)
+    procs = ProcessGroup(tmp_path / "logs", env=_env(kafka_bootstrap, redis_url, rid))
+    store = await StateStore.connect(redis_url, namespace=f"t{rid}")
     ids = [i.id for i in cluster.instances]
     try:
-        router = procs.switchyard(
-            "router",
-            "router", "--cluster", str(cluster_file),  # the default policy, batch-ilp-sfs
-            "--window-ms", "50", "--from", "latest", "--app-id", f"router-{rid}",
-            # 240 at once on 24 slots of two one-thread engines: on a loaded machine the last
-            # ones wait minutes for a slot (held, not given up; their SLO is as long)
-            "--max-hold-s", "300",
+        # 240 at once on 24 slots of two one-thread engines: on a loaded machine the last
+        # ones wait minutes for a slot (held, not given up; their SLO is as long)
+        await _router_and_workers(
+            procs, store, cluster_file, ids, rid, max_hold_s=300, heartbeat_s=0.5,
+            log_level="WARNING",
         )  # fmt: skip
-        await asyncio.to_thread(procs.wait_for_line, router, "assigned queries partitions", 90)
-        for iid in ids:
-            procs.switchyard(
-                f"worker-{iid}",
-                "worker", "--instance", iid, "--cluster", str(cluster_file), "--backend", "vllm",
-                "--heartbeat-s", "0.5", "--log-level", "WARNING",
-            )  # fmt: skip
-        async with asyncio.timeout(90):
-            while not all(v.alive for v in (await store.snapshots(ids, time.time())).values()):
-                await asyncio.sleep(0.2)
-
-        consumer = AIOKafkaConsumer(
-            topics.RESULTS, bootstrap_servers=kafka_bootstrap, enable_auto_commit=False,
-            auto_offset_reset="latest", group_id=None,
-        )  # fmt: skip
-        await consumer.start()
-        await consumer.seek_to_end()
+        consumer = await _results_consumer(kafka_bootstrap)
         rng = random.Random(18)
         bodies: dict[str, dict[str, object]] = {}
         for i, n_words in enumerate(_trace_words(N_QUERIES)):
@@ -230,11 +273,8 @@ async def test_workers_refuse_another_model_and_follow_a_frozen_engine(
     ]
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(spec))
-    ns = f"t{rid}"
-    env = dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
-               SWITCHYARD_NAMESPACE=ns)  # fmt: skip
-    procs = ProcessGroup(tmp_path / "logs", env=env)
-    store = await StateStore.connect(redis_url, namespace=ns)
+    procs = ProcessGroup(tmp_path / "logs", env=_env(kafka_bootstrap, redis_url, rid))
+    store = await StateStore.connect(redis_url, namespace=f"t{rid}")
     server = services.load_records(vllm_home)[vllm_servers.RECORD_PREFIX + wide.id]
     heartbeat_s = 0.5
 
@@ -304,44 +344,20 @@ async def test_a_real_server_frozen_then_killed_mid_stream_answers_every_query(
     (Scenario 11's "returns 500s" stays on fake-vllm: a real vLLM cannot be made to.)
     """
     rid = "k" + uuid.uuid4().hex[:6]
-    spec = real_servers.model_dump(mode="json", exclude_none=True)
-    for inst in spec["instances"]:
-        inst["id"] = f"{rid}-{inst['id']}"
-    cluster = ClusterConfig.model_validate(spec)
-    cluster_file = tmp_path / "cluster.json"
-    cluster_file.write_text(json.dumps(spec))
+    cluster, cluster_file = _namespaced(real_servers, rid, tmp_path)
     victim_spec = real_servers.instances[1]
     victim, other = cluster.instances[1].id, cluster.instances[0].id
     server = services.load_records(vllm_home)[vllm_servers.RECORD_PREFIX + victim_spec.id]
-    ns = f"t{rid}"
-    env = dict(os.environ, SWITCHYARD_KAFKA=kafka_bootstrap, SWITCHYARD_REDIS=redis_url,
-               SWITCHYARD_NAMESPACE=ns)  # fmt: skip
-    procs = ProcessGroup(tmp_path / "logs", env=env)
-    store = await StateStore.connect(redis_url, namespace=ns)
+    procs = ProcessGroup(tmp_path / "logs", env=_env(kafka_bootstrap, redis_url, rid))
+    store = await StateStore.connect(redis_url, namespace=f"t{rid}")
     ids = [i.id for i in cluster.instances]
     heartbeat_s, deadline_s = 0.5, 240.0
     try:
-        router = procs.switchyard(
-            "router",
-            "router", "--cluster", str(cluster_file), "--window-ms", "50", "--from", "latest",
-            "--app-id", f"router-{rid}", "--max-hold-s", "200",
+        await _router_and_workers(
+            procs, store, cluster_file, ids, rid, max_hold_s=200, heartbeat_s=heartbeat_s,
+            log_level="INFO",
         )  # fmt: skip
-        await asyncio.to_thread(procs.wait_for_line, router, "assigned queries partitions", 90)
-        for iid in ids:
-            procs.switchyard(
-                f"worker-{iid}",
-                "worker", "--instance", iid, "--cluster", str(cluster_file), "--backend", "vllm",
-                "--heartbeat-s", str(heartbeat_s), "--log-level", "INFO",
-            )  # fmt: skip
-        async with asyncio.timeout(90):
-            while not all(v.alive for v in (await store.snapshots(ids, time.time())).values()):
-                await asyncio.sleep(0.2)
-        consumer = AIOKafkaConsumer(
-            topics.RESULTS, bootstrap_servers=kafka_bootstrap, enable_auto_commit=False,
-            auto_offset_reset="latest", group_id=None,
-        )  # fmt: skip
-        await consumer.start()
-        await consumer.seek_to_end()
+        consumer = await _results_consumer(kafka_bootstrap)
         producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
         await producer.start()
         rng = random.Random(11)

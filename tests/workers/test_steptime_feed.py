@@ -9,7 +9,7 @@ from routing.recalibration import decode_row, ttft_row
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState
 from schemas import SchedulerConfig
-from workers.steptime_feed import StepTimeFeed, StepTimeFeedConfig
+from workers.steptime_feed import StepTimeFeed, StepTimeFeedConfig, dispatch_estimate_ms
 
 PRIOR = StepTimeModel(8.0, 0.05, 0.0005, 1e-6)
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
@@ -81,3 +81,24 @@ def test_the_engines_own_prompt_count_wins_for_the_row() -> None:
     feed.finished("a", engine_ttft_ms=300.0, first_token_at=0.3, prompt_tokens=320)  # usage
     X, _ = feed.refitter.rows()
     assert X[0] == pytest.approx(ttft_row(InstanceState.empty(), 320, SCHED))
+
+
+def test_dispatch_estimate_is_the_median_of_finite_samples() -> None:
+    assert dispatch_estimate_ms([]) is None
+    assert dispatch_estimate_ms([float("nan")]) is None
+    # one re-delivered query's 30 s does not move it
+    assert dispatch_estimate_ms([12.0, 30_000.0, 8.0, 10.0, float("inf")]) == pytest.approx(11.0)
+
+
+def test_the_feed_keeps_each_requests_decision_to_engine_delay() -> None:
+    feed = StepTimeFeed(PRIOR, SCHED, StepTimeFeedConfig(error_window=3, max_dispatch_ms=1000.0))
+    assert feed.dispatch_ms() is None
+    feed.sent("a", 100, 10, 10.020, decided_at=10.0)  # 20 ms
+    feed.sent("b", 100, 10, 10.1)  # no decision time: no sample
+    feed.sent("c", 100, 10, 10.040, decided_at=10.0)  # 40 ms
+    feed.sent("d", 100, 10, 12.0, decided_at=10.0)  # 2 s: beyond max_dispatch_ms, dropped
+    feed.sent("e", 100, 10, 9.9, decided_at=10.0)  # before the decision (skewed clock)
+    assert feed.dispatch_ms() == pytest.approx(30.0)
+    for k in range(3):  # the window keeps the last error_window samples
+        feed.sent(f"f{k}", 100, 10, 20.005, decided_at=20.0)
+    assert feed.dispatch_ms() == pytest.approx(5.0)

@@ -402,6 +402,11 @@ async def test_sim_backend_and_step_timings(env: dict[str, Any], kafka_bootstrap
     state: StateStore = env["state"]
     period = period_id(time.time(), 3600)
     queries = [_routed(f"{iid}-q{i}", iid, period, max_tokens=10 + i) for i in range(6)]
+    # one carries its prefix identity (two 64-token blocks of its ~250): finished, it is
+    # touched in this instance's prefix-cache model (state.prefix); the others' text is
+    # under one 1 KiB block, so they touch nothing
+    q0 = queries[0].query.model_copy(update={"prefix_hashes": [71, 72], "prefix_block_tokens": 64})
+    queries[0] = queries[0].model_copy(update={"query": q0})
     await _produce(
         env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
     )
@@ -417,6 +422,8 @@ async def test_sim_backend_and_step_timings(env: dict[str, Any], kafka_bootstrap
         r.error is None and r.output_tokens == rq.query.max_tokens
         for rq, r in zip(queries, results.values(), strict=True)
     )
+    held = (await state.snapshots([iid], time.time()))[iid].prefix_hashes
+    assert held is not None and held.tolist() == [71, 72]
 
     def mine(raw: bytes) -> Any:
         rep = parse_report(raw)

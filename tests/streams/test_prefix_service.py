@@ -1,0 +1,98 @@
+"""The router service keeps each instance's prefix-cache model in Redis (issue 14, part 3):
+a routed query's whole prefix blocks are touched on the instance it went to (one pipelined
+call per window), and the snapshot the next window takes reads them back — into the
+decision: a turn whose prefix only one of two twin instances holds goes to that one.
+
+``RouterService`` in-process on real Redis and real Kafka.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from routing.policies import RouterContext, make_router
+from schemas import RoutedQuery
+from state import StateStore, period_id
+from state.prefix import PrefixTouch
+from streams.app import BatchSink
+from streams.service import Inbound, RouterConfig, RouterService
+from tests.routing.test_long_context import FakeQuality
+from tests.streams.test_long_context_service import service_cluster
+from tests.streams.test_service import read_topic
+from wiring import kafka_admin, topics
+
+pytestmark = pytest.mark.integration
+
+
+async def test_routed_prefix_blocks_are_touched_and_read_back(
+    kafka_bootstrap: str, redis_url: str
+) -> None:
+    rid = "px" + uuid.uuid4().hex[:6]
+    cfg = service_cluster(rid)
+    store = await StateStore.connect(redis_url, namespace=f"t{rid}")
+    producer = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
+    )
+    await producer.start()
+    try:
+        routes = [topics.route(i.id) for i in cfg.instances]
+        await kafka_admin.ensure_topics(
+            {"bootstrap_servers": kafka_bootstrap},
+            [topics.DECISIONS, topics.RESULTS, *routes],
+            partitions=1,
+        )
+        for inst in cfg.instances:
+            spec = cfg.model(inst.model)
+            await store.heartbeat(inst.id, spec.name, 60.0, spec.max_concurrency)
+        router = make_router("batch-ilp-sfs", RouterContext.build(cfg, FakeQuality()))
+        svc = RouterService(cfg, router, store, BatchSink(producer),
+                            RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+        ids = [i.id for i in cfg.instances]
+        turns = [[11, 12, 13, 14], [11, 12, 13, 14, 15, 16]]  # the second extends the first
+        where: list[str] = []
+        for t, hashes in enumerate(turns):
+            since = int(time.time() * 1000)
+            body = {"id": f"{rid}-t{t}", "prompt": "a conversation so far",
+                    "prompt_tokens": 512 * len(hashes) + 100, "prefix_hashes": hashes,
+                    "prefix_block_tokens": 512}  # fmt: skip
+            outcome, unfinished = await svc.handle(
+                [Inbound(json.dumps(body).encode(), "queries", 0, t)]
+            )
+            assert outcome.routed == 1 and unfinished == []
+            copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
+            mine = [RoutedQuery.model_validate_json(v) for _, v in copies]
+            where += [str(rq.decision.instance_id) for rq in mine if rq.query.id == f"{rid}-t{t}"]
+            live = await store.snapshots(ids, time.time())
+            held = {i: live[i].prefix_hashes for i in ids}
+            expect: dict[str, set[int]] = {}
+            for k, iid in enumerate(where):
+                expect.setdefault(iid, set()).update(turns[k])
+            for iid in ids:
+                got = held[iid]
+                assert (set(got.tolist()) if got is not None else set()) == expect.get(iid, set())
+        # a third conversation's prefix cached on the twin of where the second turn went (the
+        # tie-break's pick when nothing is cached): its next turn goes to the twin
+        first = where[1]  # a turn of the same size as the one below
+        twin = next(i.id for i in cfg.instances
+                    if i.model == cfg.instance(first).model and i.id != first)  # fmt: skip
+        other = [21, 22, 23, 24, 25]
+        spec = cfg.model_of(twin)
+        cap = spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens
+        await store.prefix_touch_many([PrefixTouch(twin, other, 512.0, cap)])
+        since = int(time.time() * 1000)
+        body = {"id": f"{rid}-t2", "prompt": "another conversation", "prompt_tokens": 512 * 6 + 100,
+                "prefix_hashes": [*other, 26], "prefix_block_tokens": 512}  # fmt: skip
+        outcome, _ = await svc.handle([Inbound(json.dumps(body).encode(), "queries", 0, 2)])
+        assert outcome.routed == 1
+        copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
+        went = [str(RoutedQuery.model_validate_json(v).decision.instance_id) for _, v in copies
+                if RoutedQuery.model_validate_json(v).query.id == f"{rid}-t2"]  # fmt: skip
+        assert went == [twin]
+    finally:
+        await producer.stop()
+        await store.close()
