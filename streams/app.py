@@ -29,7 +29,9 @@ import logging
 import os
 import sys
 import time
+import weakref
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,17 +102,21 @@ class OrderedAcker:
     lets a single missing offset right after the last commit slip (and skips the check
     before a new group's first commit). Acknowledging only contiguous runs from the head
     keeps the committed offset behind every unfinished query whatever Faust's bookkeeping.
+
+    A rebalance or a stop gives up every message Faust handed out (``abandon_all``): they
+    are never acknowledged afterwards, wherever they turn up, so Kafka re-delivers them.
     """
 
     def __init__(self) -> None:
         self._open: dict[Any, dict[int, Inbound]] = {}  # tp -> offset -> input, in offset order
         self._done: dict[Any, set[int]] = {}
-        self._abandoned: set[Any] = set()
+        self._given_up: weakref.WeakSet[Any] = weakref.WeakSet()  # Faust messages
 
-    def opened(self, items: list[Inbound]) -> None:
-        for it in items:
+    def opened(self, items: list[Inbound]) -> list[Inbound]:
+        """Track the window's inputs; returns those to route (not given up already)."""
+        kept = [it for it in items if self.keep(it)]
+        for it in kept:
             tp = it.handle.message.tp
-            self._abandoned.discard(tp)
             opened = self._open.setdefault(tp, {})
             if opened and it.offset < next(reversed(opened)):
                 # out of order: after a rebalance, events the stream had buffered before it
@@ -122,12 +128,13 @@ class OrderedAcker:
                 self._open[tp] = dict(sorted(opened.items()))
             else:
                 opened[it.offset] = it
+        return kept
 
     def keep(self, it: Inbound) -> bool:
-        """False for an input of a partition given up (rebalance or shutdown)."""
-        return it.handle.message.tp not in self._abandoned
+        """False for an input handed out before a give-up (rebalance or shutdown)."""
+        return it.handle.message not in self._given_up
 
-    def abandon_all(self) -> int:
+    def abandon_all(self, handed_out: Iterable[Any] = ()) -> int:
         """Give up every unfinished input without committing it (Kafka re-delivers it).
 
         Faust waits, on rebalance and on shutdown, until every message it handed out is
@@ -135,24 +142,36 @@ class OrderedAcker:
         messages done *without* the consumer's ack keeps their offsets out of the commit,
         so whoever owns the partition next reads them again (dedupe drops those already
         routed).
+
+        ``handed_out``: every message the stream took and nobody acknowledged yet (Faust's
+        ``consumer.unacked``), opened here or not. Those ``take_events`` still buffers reach
+        the agent *after* the give-up, with offsets above the held queries given up now;
+        acknowledged, they would be committed past them: Faust forgets a revoked
+        partition's committed offset and, without one, commits any acknowledged run.
+        Returns how many opened inputs were given up.
         """
         n = 0
-        for tp, opened in self._open.items():
+        for opened in self._open.values():
             for it in opened.values():
-                _abandon(it)
+                self._give_up(it.handle.message)
                 n += 1
-            opened.clear()
-            self._done.pop(tp, None)
-            self._abandoned.add(tp)
+        self._open.clear()
+        self._done.clear()
+        for message in list(handed_out):
+            self._give_up(message)
         return n
 
+    def _give_up(self, message: Any) -> None:
+        if not message.acked:
+            message.acked = True  # done for Faust's bookkeeping, but never committed
+        self._given_up.add(message)
+
     def finished(self, it: Inbound) -> None:
+        if not self.keep(it):
+            return  # given up: never acknowledged
         tp = it.handle.message.tp
-        if tp in self._abandoned:
-            _abandon(it)
-            return
         opened = self._open.get(tp)
-        if opened is None or it.offset not in opened:
+        if opened is None or opened.get(it.offset) is not it:
             it.handle.ack()  # not tracked (e.g. partition reassigned): just release it
             return
         done = self._done.setdefault(tp, set())
@@ -165,10 +184,6 @@ class OrderedAcker:
             opened.pop(first).handle.ack()  # drops the extra reference: may commit now
 
 
-def _abandon(it: Inbound) -> None:
-    it.handle.message.acked = True  # done for Faust's bookkeeping, but never committed
-
-
 class _RouterFaustApp(faust.App):
     """``faust.App`` that gives up held queries before Faust waits for every ack."""
 
@@ -179,10 +194,16 @@ class _RouterFaustApp(faust.App):
         if runtime is not None:
             if runtime.service is not None:
                 runtime.service.drop_held()
-            n = runtime.acker.abandon_all()
-            if n:
+            # give up every message handed out, opened or still in take_events' buffer
+            handed_out = list(consumer.unacked)
+            n = runtime.acker.abandon_all(handed_out)
+            consumer.unacked.difference_update(handed_out)  # nothing left to wait for
+            if n or handed_out:
                 log.warning(
-                    "gave up %d unfinished queries for re-delivery (rebalance or shutdown)", n
+                    "gave up %d unfinished queries for re-delivery (rebalance or shutdown); "
+                    "%d messages handed out and not acknowledged in all",
+                    n,
+                    len(handed_out),
                 )
         await super()._consumer_wait_empty(consumer, logger)
 
@@ -381,8 +402,9 @@ def create_app(
                 # uncommitted until the window is routed and produced (see _process_windows)
                 for e in events:
                     e.message.incref()
-                runtime.acker.opened(items)
-                await windows.put(items)  # at most one window waits: backpressure on reading
+                items = runtime.acker.opened(items)  # minus those given up at a rebalance
+                if items:
+                    await windows.put(items)  # at most one window waits: backpressure
                 _record_lag(runtime.metrics, consumer, events)
                 while service.held_count > config.max_held:  # backpressure: stop reading a while
                     await asyncio.sleep(config.window_s)
