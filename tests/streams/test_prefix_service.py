@@ -67,6 +67,9 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
             copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
             mine = [RoutedQuery.model_validate_json(v) for _, v in copies]
             where += [str(rq.decision.instance_id) for rq in mine if rq.query.id == f"{rid}-t{t}"]
+            # the turn finished (what its worker reports): the next decision weighs the
+            # prefix model alone, not a resident whose progress the snapshot ages by the clock
+            await store.resident_done(where[-1], f"{rid}-t{t}")
             live = await store.snapshots(ids, time.time())
             held = {i: live[i].prefix_hashes for i in ids}
             expect: dict[str, set[int]] = {}
@@ -75,18 +78,28 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
             for iid in ids:
                 got = held[iid]
                 assert (set(got.tolist()) if got is not None else set()) == expect.get(iid, set())
-        # a third conversation's prefix cached on the twin of where the second turn went (the
-        # tie-break's pick when nothing is cached): its next turn goes to the twin
-        first = where[1]  # a turn of the same size as the one below
+        # a third conversation's prefix cached on the twin of where the second turn went; its
+        # next turn's TTFT SLO (0.8 x the uncached prefill, > 2.4 x the cached one) can be met on
+        # that model only with the prefix cached, so the prefix model decides: the twin
+        first = where[1]
         twin = next(i.id for i in cfg.instances
                     if i.model == cfg.instance(first).model and i.id != first)  # fmt: skip
         other = [21, 22, 23, 24, 25]
         spec = cfg.model_of(twin)
         cap = spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens
         await store.prefix_touch_many([PrefixTouch(twin, other, 512.0, cap)])
+        prompt = 512 * 6 + 100
+        step = RouterContext.build(cfg, FakeQuality()).step_time[spec.name]
+        cached_ms = float(step.prefill_ms(prompt, 512 * len(other)))
+        full_ms = float(step.prefill_ms(prompt))
+        assert full_ms > 3 * cached_ms
+        for inst in cfg.instances:  # live workers heart-beat twice a second: fresh views
+            m = cfg.model(inst.model)
+            await store.heartbeat(inst.id, m.name, 60.0, m.max_concurrency)
         since = int(time.time() * 1000)
-        body = {"id": f"{rid}-t2", "prompt": "another conversation", "prompt_tokens": 512 * 6 + 100,
-                "prefix_hashes": [*other, 26], "prefix_block_tokens": 512}  # fmt: skip
+        body = {"id": f"{rid}-t2", "prompt": "another conversation", "prompt_tokens": prompt,
+                "prefix_hashes": [*other, 26], "prefix_block_tokens": 512,
+                "ttft_slo_ms": 0.8 * full_ms}  # fmt: skip
         outcome, _ = await svc.handle([Inbound(json.dumps(body).encode(), "queries", 0, 2)])
         assert outcome.routed == 1
         copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
