@@ -29,6 +29,7 @@ from redis.crc import key_slot
 from schemas import ResidentRequest, StepTimeCoefficients
 from state import RouteIntent, StateConfigError, StateStore, StateUnavailable, period_id
 from state.cluster import parse_cluster_url
+from state.prefix import PrefixTouch
 from state.store import SCRIPTS
 from switchyard import clusters, services
 from tests.clusters.conftest import Clusters
@@ -99,8 +100,16 @@ async def tour(s: StateStore) -> set[str]:
     mark("resident_done")
     assert await s.residents_reconcile("gpu-0", ["q-1"]) >= 0
     mark("residents_reconcile")
+    touches = [
+        PrefixTouch("gpu-0", [11, 12, 13], 16.0, 4096.0),
+        PrefixTouch("gpu-1", [7], 16.0, 4096.0),
+    ]
+    assert len(await s.prefix_touch_many(touches)) == 2
+    mark("prefix_touch_many")
     snaps = await s.snapshots(insts, now)
     assert set(snaps) == set(insts)
+    held = snaps["gpu-0"].prefix_hashes
+    assert held is not None and sorted(held.tolist()) == [11, 12, 13]  # read back in the snapshot
     mark("snapshots")
     coefficients = StepTimeCoefficients(
         c0_ms=1.0, c1_ms_per_token=0.01, c2_ms_per_ctx_token=0.001, c3_ms_per_attn_unit=0.0
@@ -280,30 +289,35 @@ async def test_a_cluster_with_an_unserved_slot_is_refused(local_redis: Clusters)
     """A slot no primary serves (DELSLOTS on its owner): an error naming the slots, then back."""
     s = await StateStore.connect(local_redis.redis_url)
     await s.close()
-    owner = None
+    # a slot that holds no key (earlier tests' namespaces are random, so any slot may hold
+    # one), and the primary that serves it
+    owner, slot = None, -1
     for rec in local_redis.redis:
         c = redis.Redis.from_url(rec.address, decode_responses=True)
         try:
-            if c.execute_command("ROLE")[0] == "master" and c.cluster("COUNTKEYSINSLOT", 0) == 0:
-                slots = c.cluster("SLOTS")
-                if any(
-                    int(r[0]) <= 0 <= int(r[1])
-                    and int(r[2][1]) == int(rec.address.rsplit(":", 1)[1].split("/")[0])
-                    for r in slots
-                ):
-                    owner = rec
+            if owner is None and c.execute_command("ROLE")[0] == "master":
+                port = int(rec.address.rsplit(":", 1)[1].split("/")[0])
+                for r in c.cluster("SLOTS"):
+                    if int(r[2][1]) != port:
+                        continue
+                    for cand in range(int(r[0]), min(int(r[1]), int(r[0]) + 200) + 1):
+                        if c.cluster("COUNTKEYSINSLOT", cand) == 0:
+                            owner, slot = rec, cand
+                            break
+                    if owner is not None:
+                        break
         finally:
             c.close()
     assert owner is not None
     c = redis.Redis.from_url(owner.address, decode_responses=True)
     try:
-        c.execute_command("CLUSTER", "DELSLOTS", 0)
+        c.execute_command("CLUSTER", "DELSLOTS", slot)
         with pytest.raises(
             StateConfigError, match=r"not healthy: cluster_state fail, 16383 of 16384"
         ):
             await StateStore.connect(local_redis.redis_url, socket_timeout_s=3.0)
     finally:
-        c.execute_command("CLUSTER", "ADDSLOTS", 0)
+        c.execute_command("CLUSTER", "ADDSLOTS", slot)
         c.close()
     deadline = time.monotonic() + 30
     while not all(clusters.cluster_ok(r.address) for r in local_redis.redis if
