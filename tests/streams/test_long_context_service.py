@@ -37,6 +37,28 @@ def service_cluster(rid: str) -> ClusterConfig:
     return ClusterConfig.model_validate(base)
 
 
+async def service_io(
+    kafka_bootstrap: str, cfg: ClusterConfig
+) -> tuple[AIOKafkaProducer, list[str]]:
+    """A started idempotent producer for ``RouterService``'s sink, and the route topics
+    (made, with ``decisions`` and ``results``, one partition each)."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
+    )
+    await producer.start()
+    routes = [topics.route(i.id) for i in cfg.instances]
+    try:
+        await kafka_admin.ensure_topics(
+            {"bootstrap_servers": kafka_bootstrap},
+            [topics.DECISIONS, topics.RESULTS, *routes],
+            partitions=1,
+        )
+    except BaseException:
+        await producer.stop()
+        raise
+    return producer, routes
+
+
 async def fill_caches(store: StateStore, cfg: ClusterConfig, rng: np.random.Generator) -> None:
     """Heart-beat every instance with long residents holding 60-95% of its KV cache."""
     for inst in cfg.instances:
@@ -65,17 +87,8 @@ async def test_every_policy_in_the_service_answers_long_context_once(
     cfg = service_cluster(rid)
     rng = np.random.default_rng(sorted(ROUTERS).index(name))
     store = await StateStore.connect(redis_url, namespace=f"t{rid}")
-    producer = AIOKafkaProducer(
-        bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
-    )
-    await producer.start()
+    producer, routes = await service_io(kafka_bootstrap, cfg)
     try:
-        routes = [topics.route(i.id) for i in cfg.instances]
-        await kafka_admin.ensure_topics(
-            {"bootstrap_servers": kafka_bootstrap},
-            [topics.DECISIONS, topics.RESULTS, *routes],
-            partitions=1,
-        )
         await fill_caches(store, cfg, rng)
         router = make_router(name, RouterContext.build(cfg, FakeQuality()))
         svc = RouterService(cfg, router, store, BatchSink(producer),
@@ -86,7 +99,9 @@ async def test_every_policy_in_the_service_answers_long_context_once(
         items = [
             Inbound(
                 json.dumps({"id": qid, "prompt": "long context", "prompt_tokens": p}).encode(),
-                "queries", 0, k,
+                "queries",
+                0,
+                k,
             )  # fmt: skip
             for k, (qid, p) in enumerate(zip(ids, prompts, strict=True))
         ]

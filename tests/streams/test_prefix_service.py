@@ -13,7 +13,6 @@ import time
 import uuid
 
 import pytest
-from aiokafka import AIOKafkaProducer
 
 from routing.policies import RouterContext, make_router
 from schemas import RoutedQuery
@@ -22,9 +21,8 @@ from state.prefix import PrefixTouch
 from streams.app import BatchSink
 from streams.service import Inbound, RouterConfig, RouterService
 from tests.routing.test_long_context import FakeQuality
-from tests.streams.test_long_context_service import service_cluster
+from tests.streams.test_long_context_service import service_cluster, service_io
 from tests.streams.test_service import read_topic
-from wiring import kafka_admin, topics
 
 pytestmark = pytest.mark.integration
 
@@ -35,17 +33,8 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
     rid = "px" + uuid.uuid4().hex[:6]
     cfg = service_cluster(rid)
     store = await StateStore.connect(redis_url, namespace=f"t{rid}")
-    producer = AIOKafkaProducer(
-        bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True
-    )
-    await producer.start()
+    producer, routes = await service_io(kafka_bootstrap, cfg)
     try:
-        routes = [topics.route(i.id) for i in cfg.instances]
-        await kafka_admin.ensure_topics(
-            {"bootstrap_servers": kafka_bootstrap},
-            [topics.DECISIONS, topics.RESULTS, *routes],
-            partitions=1,
-        )
         for inst in cfg.instances:
             spec = cfg.model(inst.model)
             await store.heartbeat(inst.id, spec.name, 60.0, spec.max_concurrency)
