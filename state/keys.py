@@ -31,7 +31,9 @@ key                                    type    holds
                                                dedupe is one script call per bucket
 ``sy:result:{<query>}``                string  once a result was published: its cost in nano-USD
                                                ("-" when unknown); TTL
-``sy:attempt:{<query>}``               string  how many times a worker started the query; TTL
+``sy:start:{<query>}``                 hash    ``#``: how many times a worker started the query;
+                                               ``p:<token>``: each worker process that started
+                                               it (``Results.mark_start``); TTL
 ``sy:steptime:{<model>}``              hash    the model's Eq. 9 coefficients refitted online
                                                (c0_ms … c3_ms_per_attn_unit), version, at,
                                                rows, fit_mape, ttft_error, instance; TTL.
@@ -131,8 +133,8 @@ class Keys:
     def result(self, query_id: str) -> str:
         return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"
 
-    def attempt(self, query_id: str) -> str:
-        return f"{self.namespace}:attempt:{{{_check(_QUERY, query_id, 'query id')}}}"
+    def start(self, query_id: str) -> str:
+        return f"{self.namespace}:start:{{{_check(_QUERY, query_id, 'query id')}}}"
 
     def check_query_id(self, query_id: str) -> str:
         return _check(_QUERY, query_id, "query id")

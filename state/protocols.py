@@ -36,6 +36,7 @@ from state.records import (
     PrefixTouch,
     ResultMark,
     RouteIntent,
+    Starts,
     Verdict,
 )
 
@@ -237,7 +238,7 @@ class Claims(Protocol):
 
 
 class Results(Protocol):
-    """Published-result marks and attempt counts."""
+    """Published-result marks and start counts."""
 
     async def mark_result(
         self, query_id: str, ttl_s: float, *, cost_usd: float | None = None
@@ -256,7 +257,7 @@ class Results(Protocol):
 
     async def result_mark(self, query_id: str) -> ResultMark | None: ...
 
-    async def mark_attempt(self, query_id: str, ttl_s: float) -> int: ...
+    async def mark_start(self, query_id: str, process: str, ttl_s: float) -> Starts: ...
 
     async def has_results(self, query_ids: Sequence[str]) -> list[bool]: ...
 

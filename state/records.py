@@ -97,6 +97,15 @@ class ResultMark:
 
 
 @dataclass(frozen=True)
+class Starts:
+    """One start of a query by a worker: ``number`` counts every start (1 the first time);
+    ``processes`` the distinct worker processes that have started it, this one included."""
+
+    number: int
+    processes: int
+
+
+@dataclass(frozen=True)
 class DedupeEntry:
     body_sha256: str
     routed_to: str | None

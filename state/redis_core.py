@@ -63,7 +63,7 @@ SCRIPTS = (
     "ledger_mark",
     "ledger_rebuild",
     "claim",
-    "attempt",
+    "start",
     "step_time",
 )
 

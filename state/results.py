@@ -1,4 +1,4 @@
-"""Published-result marks and attempt counts in Redis: a worker marks each result once
+"""Published-result marks and start counts in Redis: a worker marks each result once
 (with its cost), closes a query in one round trip (``finish``), and skips ids already
 answered; a rescuer skips stranded copies that were answered. See
 ``state.protocols.Results``."""
@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError
 
 from state.ledger import ledger_expire_at
 from state.liveness import TOMBSTONE_KEEP_S
-from state.records import ResultMark
+from state.records import ResultMark, Starts
 from state.redis_core import NANO_PER_USD, RedisCore, _seconds_ms, usd_to_nano
 
 
@@ -102,13 +102,21 @@ class RedisResults(RedisCore):
         text = str(raw)
         return ResultMark(cost_usd=int(text) / NANO_PER_USD if text.isdigit() else None)
 
-    async def mark_attempt(self, query_id: str, ttl_s: float) -> int:
-        """Count one more start of this query by a worker; returns the count (1 the first time).
+    async def mark_start(self, query_id: str, process: str, ttl_s: float) -> Starts:
+        """Record one start of this query by the worker process ``process`` (a token unique to
+        the process); returns this start's number and how many processes have started it.
 
-        A count above 1 is repeated inference: a re-delivery after a worker crash.
+        A start number above 1 is repeated inference. Only a second *process* means the first
+        one died running it (or a rescuer moved the query while it ran): a stage retried in one
+        process, or this call re-sent after its reply was lost, adds no process.
         """
-        key = self.keys.attempt(query_id)
-        return int(await self._script("attempt", [key], [_seconds_ms(ttl_s, "attempt ttl_s")]))
+        key = self.keys.start(query_id)
+        if not process or len(process) > 64:
+            raise ValueError(f"mark_start: process token must be 1-64 characters, got {process!r}")
+        n, processes = await self._script(
+            "start", [key], [_seconds_ms(ttl_s, "start ttl_s"), process]
+        )
+        return Starts(number=int(n), processes=int(processes))
 
     # ------------------------------------------------------------------ claims (re-routing)
 

@@ -41,6 +41,7 @@ from state.records import (
     LiveStepTime,
     ResultMark,
     RouteIntent,
+    Starts,
     Verdict,
 )
 from state.redis_core import (
@@ -74,6 +75,7 @@ __all__ = [
     "LiveStepTime",
     "ResultMark",
     "RouteIntent",
+    "Starts",
     "StateStore",
     "StateUnavailable",
     "Verdict",

@@ -55,7 +55,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from routing.steptime import StepTimeModel
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
-from state import StateUnavailable, WorkerState, period_id
+from state import Starts, StateUnavailable, WorkerState, period_id
 from state.prefix import touch_of
 from wiring import kafka_admin, kafka_records, topics
 from wiring.settings import Settings
@@ -75,8 +75,9 @@ CLAIM_RETRY_S = 0.25  # a rescuer holds this query's claim: ask again after this
 # times in all, then dead-lettered with the stage named and answered with an error Result
 STAGE_TRIES = 3
 STAGE_RETRY_S = 0.2  # first back-off between tries (doubling)
-# a query started this many times without an answer (its worker died running it each time:
-# an engine crash, an OOM) is not started again: it gets an error Result, never a crash loop
+# a query started by this many worker processes without an answer (each died running it: an
+# OOM, a crash) is not started again: it gets an error Result, never a crash loop. Counted per
+# process (state.Results.mark_start), so a stage retried within one process is not a death.
 MAX_RUNS = 3
 
 
@@ -226,6 +227,8 @@ class Worker:
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._residents: dict[str, ResidentRequest] = {}
+        # this worker process's token in each query's start record (state.Results.mark_start)
+        self._process_token = uuid.uuid4().hex
         self._last_stamp = 0.0  # residents' stamps, for resyncs that never undo an add or done
         self._running = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -637,21 +640,29 @@ class Worker:
                         await self._skip_duplicate(q.id, "re-routed to another instance")
                         await self._best_effort(self.state.resident_done(self.instance_id, q.id))
                         return
-                    attempt = await self._best_effort(
-                        self.state.mark_attempt(q.id, self.config.result_ttl_s), default=1
+                    starts = await self._best_effort(
+                        self.state.mark_start(q.id, self._process_token, self.config.result_ttl_s),
+                        default=Starts(number=1, processes=1),
                     )
-                    if attempt > MAX_RUNS:
+                    attempt = starts.number
+                    if starts.processes > MAX_RUNS:
                         # its worker died running it every time: never a crash loop on it
                         at.stage = "generate"
                         why = (
-                            f"worker {self.instance_id}: query {q.id} was started {attempt - 1} "
-                            f"times and its worker died each time; not started again"
+                            f"worker {self.instance_id}: query {q.id} was started by "
+                            f"{starts.processes - 1} worker processes and none answered it (each "
+                            f"died running it); not started again"
                         )
                         await self._dead_letter(rec, why, received, stage="generate")
                         await self._answer_error(rq, why)
                         return
                     if attempt > 1:
-                        # started before, never answered: re-delivered after a crash mid-inference
+                        # started before, never answered: re-delivered after a crash mid-inference,
+                        # a stage retried here, or a copy moved while it ran
+                        log.info(
+                            "worker %s: query %s start %d (by %d worker processes)",
+                            self.instance_id, q.id, attempt, starts.processes,
+                        )  # fmt: skip
                         self.metrics.reruns.inc()
                         self.counts["reruns"] += 1
                     at.stage = "generate"

@@ -193,7 +193,7 @@ def _whereabouts(rig: Rig, reader: TopicReader, qids: list[str]) -> dict[str, An
                 "dedupe": client.hgetall(dedupe),
                 "dedupe_primary": client.get_node_from_key(dedupe).port,
                 "result_mark": client.get(keys.result(qid)),
-                "attempt": client.get(keys.attempt(qid)),
+                "starts": client.hgetall(keys.start(qid)),
                 "claims": claims,
                 "log_lines": [
                     f"{name}: {line.strip()[:200]}"

@@ -27,7 +27,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.crc import key_slot
 
 from schemas import ResidentRequest, StepTimeCoefficients
-from state import RouteIntent, StateConfigError, StateStore, StateUnavailable, period_id
+from state import RouteIntent, Starts, StateConfigError, StateStore, StateUnavailable, period_id
 from state.cluster import parse_cluster_url
 from state.prefix import PrefixTouch
 from state.store import SCRIPTS
@@ -178,8 +178,8 @@ async def tour(s: StateStore) -> set[str]:
     mark("has_result")
     assert await s.has_results(["r-1", "r-2", "r-3"]) == [True, False, False]
     mark("has_results")
-    assert await s.mark_attempt("r-9", 60.0) == 1
-    mark("mark_attempt")
+    assert await s.mark_start("r-9", "proc-a", 60.0) == Starts(number=1, processes=1)
+    mark("mark_start")
     await s.reserve_slots("gpu-3", 4, ["f-1"])
     await s.reserve_budget("tenant-c", period, 1.0, {"f-1": 0.2})
     published, _ = await s.finish("gpu-3", "f-1", result_ttl_s=60.0, cost_usd=0.05,

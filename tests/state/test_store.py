@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 
 from schemas import ResidentRequest, StepTimeCoefficients
-from state import NANO_PER_USD, ResultMark, RouteIntent, StateStore, StateUnavailable, period_id
+from state import (
+    NANO_PER_USD,
+    ResultMark,
+    RouteIntent,
+    Starts,
+    StateStore,
+    StateUnavailable,
+    period_id,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -330,7 +338,7 @@ async def test_a_rerouted_intent_replaces_the_routing_to_the_silent_instance(
     assert entry is not None and entry.routed_to == "gpu-2" and entry.intent is None
 
 
-async def test_mark_result_first_time_only_and_attempts(stores: list[StateStore]) -> None:
+async def test_mark_result_first_time_only_and_starts_per_process(stores: list[StateStore]) -> None:
     firsts = await asyncio.gather(
         *(x.mark_result("r1", ttl_s=60, cost_usd=0.0123) for x in stores * 10)
     )
@@ -341,8 +349,18 @@ async def test_mark_result_first_time_only_and_attempts(stores: list[StateStore]
     assert await stores[0].result_mark("r2") is None
     assert await stores[0].mark_result("r3", ttl_s=60)
     assert (await stores[0].result_mark("r3")) == ResultMark(cost_usd=None)
-    counts = await asyncio.gather(*(x.mark_attempt("r1", ttl_s=60) for x in stores))
-    assert sorted(counts) == [1, 2, 3, 4]
+    starts = await asyncio.gather(
+        *(x.mark_start("r1", f"proc-{i}", ttl_s=60) for i, x in enumerate(stores))
+    )
+    assert sorted(s.number for s in starts) == [1, 2, 3, 4]
+    assert sorted(s.processes for s in starts) == [1, 2, 3, 4]
+    # one process starting it again (a stage retried, the call re-sent): a new start, no new process
+    again = await asyncio.gather(
+        *(stores[0].mark_start("r1", "proc-0", ttl_s=60) for _ in range(3))
+    )
+    assert sorted(s.number for s in again) == [5, 6, 7]
+    assert {s.processes for s in again} == {4}
+    assert await stores[0].mark_start("r2", "proc-0", ttl_s=60) == Starts(number=1, processes=1)
 
 
 async def test_namespaces_are_isolated(redis_url: str) -> None:

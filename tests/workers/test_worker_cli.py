@@ -163,7 +163,7 @@ async def _left_by(
     try:
         started = [
             q for q in ids
-            if int(await r.get(store.keys.attempt(q)) or 0) >= 1 and not await store.has_result(q)
+            if int(await r.hget(store.keys.start(q), "#") or 0) >= 1 and not await store.has_result(q)
         ]  # fmt: skip
     finally:
         await r.aclose()

@@ -176,8 +176,8 @@ async def test_query_whose_worker_died_each_time_is_not_started_again(
     period = period_id(time.time(), 3600)
     queries = [_routed(f"{iid}-q{i}", iid, period, max_tokens=4) for i in range(3)]
     poison = queries[1].query.id
-    for _ in range(worker_mod.MAX_RUNS):  # what MAX_RUNS deaths mid-inference leave in Redis
-        await env["state"].mark_attempt(poison, 600.0)
+    for died in range(worker_mod.MAX_RUNS):  # what MAX_RUNS deaths mid-inference leave in Redis
+        await env["state"].mark_start(poison, f"died-{died}", 600.0)
     await _produce(
         env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
     )
