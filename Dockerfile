@@ -11,6 +11,7 @@ COPY wiring wiring
 COPY batch batch
 COPY gateway gateway
 COPY offline offline
+COPY loaders loaders
 COPY switchyard switchyard
 COPY configs configs
 COPY data data

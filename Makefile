@@ -21,7 +21,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy --strict schemas/ routing/ wiring/ offline/ batch/ gateway/
+	$(BIN)/mypy --strict schemas/ routing/ wiring/ offline/ loaders/ batch/ gateway/
 	$(BIN)/lint-imports --no-cache
 
 # Everything: lint, then the whole suite against the real Kafka broker and Redis it starts (and

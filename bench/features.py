@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loaders.minilm import minilm_source  # noqa: E402
 from offline.datasets import load_routing_data  # noqa: E402
-from routing.features import FeatureCache, make_featurizer, minilm_available  # noqa: E402
+from routing.features import FeatureCache, make_featurizer  # noqa: E402
 
 
 def _median_us_per_text(f: Any, texts: list[str], w: int, repeats: int, start: int) -> float:
@@ -66,7 +67,8 @@ def main() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     texts = load_routing_data(args.data, args.format).texts
     fit, rest = texts[: args.fit_texts], texts[args.fit_texts :]
-    kinds = ["hashed"] + (["static", "hybrid"] if minilm_available() else [])
+    minilm = minilm_source()
+    kinds = ["hashed"] + (["static", "hybrid"] if minilm is not None else [])
     out: dict[str, Any] = {
         "data": Path(args.data).name,
         "mean_chars": float(np.mean([len(t) for t in rest])),
@@ -74,7 +76,7 @@ def main() -> None:
         "featurizers": {},
     }
     for kind in kinds:
-        f = make_featurizer(kind).fit(fit)
+        f = make_featurizer(kind, minilm=minilm).fit(fit)
         f.transform(rest[:8])  # warm: tables and tokenizer loaded
         row = {
             f"new_us_per_text_w{w}": _median_us_per_text(f, rest, w, max(3, 512 // w), 0)
@@ -83,8 +85,8 @@ def main() -> None:
         pool = rest[: args.distinct]
         row["amortised_us_per_query"] = _amortised_us(f, pool, args.queries, args.window, 0)
         out["featurizers"][kind] = row
-    if minilm_available():
-        f = make_featurizer("minilm").fit(fit)
+    if minilm is not None:
+        f = make_featurizer("minilm", minilm=minilm).fit(fit)
         f.transform(rest[:2])
         out["featurizers"]["minilm"] = {
             "new_us_per_text_w8": _median_us_per_text(f, rest, 8, 3, 0),

@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loaders.profiles import read_profiles  # noqa: E402
 from offline.blas import limit_blas_threads  # noqa: E402
 from offline.datasets import load_routing_data  # noqa: E402
 from sim.evaluator import EvalConfig  # noqa: E402
@@ -59,6 +60,7 @@ def main() -> None:
         quick=True,
         seed=0,
         loader=load_routing_data,
+        profiles=read_profiles(),
     )
     st = sim_setup(inputs)
     cfg = EvalConfig(window_s=0.05, max_batch=64, utility_lambda=UTILITY_LAMBDA)
@@ -79,9 +81,17 @@ def main() -> None:
     w = wl("poisson", 16.0, 1000)
     L = CachedLength(st.predictor.length, w.texts, w.prompt_tokens)
     rec = RecordingRouter(
-        make_policy("batch-ilp-sfs", st.cluster, st.quality, UTILITY_LAMBDA, length=L, delta=delta)
+        make_policy(
+            "batch-ilp-sfs",
+            st.cluster,
+            st.quality,
+            UTILITY_LAMBDA,
+            length=L,
+            profiles=st.profiles,
+            delta=delta,
+        )
     )
-    res = simulate(rec, st.cluster, w, cfg, 1000)
+    res = simulate(rec, st.cluster, w, cfg, 1000, profiles=st.profiles)
     m = margin_from_run(rec, res, w, 0.9)
     pr, ob = rec.pairs(res, w)
     ok = np.isfinite(pr) & np.isfinite(ob) & (pr > 1)
@@ -102,10 +112,18 @@ def main() -> None:
             L = CachedLength(st.predictor.length, w.texts, w.prompt_tokens)
             row: dict[str, object] = {"process": process, "rate_per_s": rate}
             for name, (pol, kn) in pols.items():
-                router = make_policy(pol, st.cluster, st.quality, UTILITY_LAMBDA, length=L, **kn)
-                row[name] = simulate(router, st.cluster, w, cfg, args.seed).summary()[
-                    "ontime_utility"
-                ]
+                router = make_policy(
+                    pol,
+                    st.cluster,
+                    st.quality,
+                    UTILITY_LAMBDA,
+                    length=L,
+                    profiles=st.profiles,
+                    **kn,
+                )
+                row[name] = simulate(
+                    router, st.cluster, w, cfg, args.seed, profiles=st.profiles
+                ).summary()["ontime_utility"]
             print(json.dumps(row), flush=True)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from routing.profiles import load_profile  # noqa: E402
+from loaders.profiles import load_profile  # noqa: E402
 from routing.sfs import estimate_ttft_ms  # noqa: E402
 from routing.steptime import StepTimeModel  # noqa: E402
 from schemas import ClusterConfig  # noqa: E402

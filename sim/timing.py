@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from routing.profiles import Table, profile_record
+from routing.profiles import Profiles, Table
 from routing.scheduling import Segment
 from routing.steptime import StepTimeModel
 
@@ -131,9 +131,10 @@ class TableTiming:
         )
 
     @classmethod
-    def from_profile(cls, name: str, noise_sigma: float = 0.0) -> TableTiming:
-        """The measured-table timing of a profile (``routing.profiles``)."""
-        return cls.from_table(Table.from_record(profile_record(name)), noise_sigma)
+    def from_profile(cls, profiles: Profiles, name: str, noise_sigma: float = 0.0) -> TableTiming:
+        """The measured-table timing of profile ``name`` in ``profiles`` (``routing.profiles``;
+        ``loaders.profiles.read_profiles`` reads the shipped ones)."""
+        return cls.from_table(profiles.table(name), noise_sigma)
 
     def with_noise(self, sigma: float) -> TableTiming:
         return TableTiming.from_table(self.table, sigma)

@@ -63,8 +63,10 @@ def _from_registry(
     name: str, cluster: ClusterConfig, predictor: str | Path | None, options: dict[str, Any]
 ) -> Router:
     try:
+        from loaders.predictor import load_predictor
+        from loaders.profiles import profiles_for
         from routing.policies import RouterContext, make_router
-        from routing.quality import ArtefactError, load_predictor
+        from routing.quality import ArtefactError
     except ImportError as exc:
         raise PolicyError(f"policy {name!r}: routing.policies is not available ({exc})") from exc
     if predictor is None:
@@ -77,7 +79,12 @@ def _from_registry(
     except ArtefactError as exc:
         raise PolicyError(f"policy {name!r}: {exc}") from exc
     try:
-        ctx = RouterContext.build(cluster, quality, length=getattr(quality, "length", None))
+        ctx = RouterContext.build(
+            cluster,
+            quality,
+            length=getattr(quality, "length", None),
+            profiles=profiles_for(cluster),
+        )
         return make_router(name, ctx, **options)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, FileNotFoundError) as exc:
         raise PolicyError(f"policy {name!r}: {exc}") from exc

@@ -56,6 +56,7 @@ def make_timing(
     noise_sigma: float = 0.0,
 ) -> TimingSource:
     """Step-time source: explicit Eq. 9 coefficients win, else the profile's measured tables."""
+    from loaders.profiles import read_profiles
     from routing.steptime import StepTimeModel
     from sim.timing import LinearTiming, TableTiming
 
@@ -66,7 +67,7 @@ def make_timing(
             "a simulated engine needs a step-time profile name or explicit coefficients"
         )
     try:
-        return TableTiming.from_profile(profile, noise_sigma)
+        return TableTiming.from_profile(read_profiles(), profile, noise_sigma)
     except (KeyError, FileNotFoundError) as exc:
         raise ValueError(
             f"step-time profile {profile!r}: {exc.args[0] if exc.args else exc}"

@@ -263,7 +263,7 @@ class Worker:
         if self.spec.step_time is not None:
             prior = StepTimeModel.from_coefficients(self.spec.step_time)
         elif self.spec.profile:
-            from routing.profiles import load_profile
+            from loaders.profiles import load_profile
 
             prior = load_profile(self.spec.profile)
         else:

@@ -1,7 +1,7 @@
 """What every policy is built from: the cluster, the predictors and a TTFT model.
 
-Routers receive live state and never fetch; the context is built once (the only
-I/O, reading a step-time profile by name, happens in ``RouterContext.build``).
+Routers receive live state and never fetch; the context is built once, from what the
+caller read (the step-time profiles a model names come in as ``routing.profiles.Profiles``).
 Predictors are typed as small protocols so that the trained artefacts of
 ``routing.quality`` / ``routing.length`` and test fakes both fit.
 """
@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from routing.prefix import ColumnPrefix
+from routing.profiles import Profiles
 from routing.steptime import StepTimeModel
 from routing.types import FloatArray, InstanceView, IntArray
 from schemas import ClusterConfig, ModelSpec
@@ -230,8 +231,10 @@ class RouterContext:
         lam_per_usd: float = 0.0,
         report_ttft: bool = True,
         prefix_aware: bool = True,
+        profiles: Profiles | None = None,
     ) -> RouterContext:
-        """Fill missing step-time models from each ModelSpec's coefficients or profile."""
+        """Fill missing step-time models from each ModelSpec's coefficients or profile
+        (looked up in ``profiles``, which the caller read: ``loaders.profiles.profiles_for``)."""
         models: dict[str, StepTimeModel] = dict(step_time or {})
         for spec in cluster.models:
             if spec.name in models:
@@ -239,7 +242,10 @@ class RouterContext:
             if spec.step_time is not None:
                 models[spec.name] = StepTimeModel.from_coefficients(spec.step_time)
             elif spec.profile is not None:
-                from routing.profiles import load_profile
-
-                models[spec.name] = load_profile(spec.profile)
+                if profiles is None:
+                    raise ValueError(
+                        f"model {spec.name!r} names step-time profile {spec.profile!r} but no "
+                        "profiles were given (read them with loaders.profiles.profiles_for)"
+                    )
+                models[spec.name] = profiles.model(spec.profile)
         return cls(cluster, quality, length, models, None, lam_per_usd, report_ttft, prefix_aware)

@@ -4,7 +4,8 @@ Estimators (``knn``, ``gbdt``, ``irt``) are each fitted as a bootstrap ensemble
 (``base.py``); the lower bound is calibrated by split conformal (``calibration.py``); how much of it to route on is
 selected on calibration queries (``robustness.py``, stored in the artefact);
 ``QualityPredictor`` bundles features, ensemble, calibration, output-length predictor
-and prices into one versioned artefact (``save`` / ``load_predictor``).
+and prices into one versioned artefact (``to_bytes`` / ``predictor_from_bytes``; the file
+is written and read by ``loaders.predictor``).
 """
 
 from routing.quality.base import QualityEstimate, bootstrap_weights
@@ -14,8 +15,8 @@ from routing.quality.predictor import (
     ESTIMATORS,
     ArtefactError,
     QualityPredictor,
-    load_predictor,
     make_estimator,
+    predictor_from_bytes,
     recalibrate,
     train_predictor,
 )
@@ -30,8 +31,8 @@ __all__ = [
     "bootstrap_weights",
     "conformal_kappa",
     "coverage",
-    "load_predictor",
     "make_estimator",
+    "predictor_from_bytes",
     "recalibrate",
     "RobustSpec",
     "Selection",

@@ -8,10 +8,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +19,7 @@ from routing.cost import cost_usd, estimate_prompt_tokens
 from routing.datasets import DEFAULT_OUTPUT_TOKENS, RoutingData, split_by_query
 from routing.features import Featurizer, featurizer_from_state, make_featurizer
 from routing.length import LengthPredictor
+from routing.minilm import MiniLMSource
 from routing.quality.base import QualityEstimate, ReplicateEstimator
 from routing.quality.calibration import conformal_kappa, coverage, nonconformity
 from routing.quality.gbdt import GBDTEstimator
@@ -237,9 +236,9 @@ class QualityPredictor:
 
     # ------------------------------------------------------------------ artefact
 
-    def save(self, path: str | Path) -> None:
-        """Write one ``.npz`` file (no pickle): a JSON header plus named arrays."""
-        path = Path(path)
+    def to_bytes(self) -> bytes:
+        """The artefact: one ``.npz`` (no pickle), a JSON header plus named arrays
+        (``loaders.predictor.save_predictor`` writes it to a file)."""
         fname = self.featurizer.name
         fparams, farrays = self.featurizer.state()
         eparams, earrays = self.estimator.state()
@@ -268,19 +267,17 @@ class QualityPredictor:
                 arrays[f"{prefix}__{k}"] = np.asarray(v)
         buf = io.BytesIO()
         np.savez_compressed(buf, **arrays)  # type: ignore[arg-type]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(buf.getvalue())
-        os.replace(tmp, path)
+        return buf.getvalue()
 
 
-def load_predictor(path: str | Path) -> QualityPredictor:
-    """Load an artefact written by ``QualityPredictor.save``; checks format and version."""
-    path = Path(path)
-    if not path.exists():
-        raise ArtefactError(f"{path}: no such predictor file")
+def predictor_from_bytes(
+    data: bytes, path: str = "<bytes>", minilm: MiniLMSource | None = None
+) -> QualityPredictor:
+    """Parse an artefact made by ``QualityPredictor.to_bytes``; checks format and version.
+    ``path`` names where the bytes came from in errors (``loaders.predictor.load_predictor``
+    reads the file); ``minilm``: what a MiniLM featurizer runs on."""
     try:
-        npz = np.load(path, allow_pickle=False)
+        npz = np.load(io.BytesIO(data), allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ArtefactError(f"{path}: not a predictor artefact ({e})") from None
     with npz:
@@ -304,7 +301,7 @@ def load_predictor(path: str | Path) -> QualityPredictor:
         return {k[len(p) :]: v for k, v in arrays.items() if k.startswith(p)}
 
     feat = featurizer_from_state(
-        header["featurizer"]["name"], header["featurizer"]["params"], part("feat")
+        header["featurizer"]["name"], header["featurizer"]["params"], part("feat"), minilm
     )
     est = _estimator_from_state(
         header["estimator"]["name"], header["estimator"]["params"], part("est")
@@ -336,6 +333,7 @@ def train_predictor(
     seed: int = 0,
     estimator_kwargs: dict[str, Any] | None = None,
     robust: str | RobustSpec = "auto",
+    minilm: MiniLMSource | None = None,
 ) -> QualityPredictor:
     """Fit features, a bootstrap ensemble and the conformal calibration on ``data``.
 
@@ -351,7 +349,9 @@ def train_predictor(
     if isinstance(robust, str) and robust not in ("auto", "conformal", "point"):
         raise ValueError(f"robust must be auto, conformal, point or a RobustSpec, got {robust!r}")
     fit_part, cal_part = split_by_query(data, calibration_fraction, seed)
-    feat: Any = make_featurizer(featurizer) if isinstance(featurizer, str) else featurizer
+    feat: Any = (
+        make_featurizer(featurizer, minilm=minilm) if isinstance(featurizer, str) else featurizer
+    )
     feat.fit(fit_part.texts)
     X_fit = feat.transform(fit_part.texts)
     X_cal = feat.transform(cal_part.texts)

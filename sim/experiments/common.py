@@ -18,6 +18,7 @@ import numpy.typing as npt
 from routing.datasets import RoutingData, split_by_query
 from routing.ilp.problem import BatchProblem
 from routing.ilp.solve import solve
+from routing.profiles import Profiles
 from routing.quality import QualityEstimate, QualityPredictor, train_predictor
 from routing.types import Router
 from schemas import ClusterConfig
@@ -56,12 +57,17 @@ class ExperimentInputs:
     command: str = ""
     replicates: int | None = None  # bootstrap replicates (default: 8 quick, 20 full)
     estimator: str = "gbdt"  # the quality estimator of every experiment but ``robust``
-    featurizer: Any = "hashed"  # text features of the predictors (a name or a Featurizer)
+    # text features of the predictors: a name, or a Featurizer (a MiniLM one is built by the
+    # shell with its ``loaders.minilm`` source: this room reads no weights)
+    featurizer: Any = "hashed"
     tag: str = ""  # appended to output file names (e.g. "-irt_router_ccf20-quick")
     delta: float | None = None  # paper A's δ for latency-aware in ``ontime`` (None: its default)
     # Reads ``data_path`` (``offline.datasets.load_routing_data``): the shell passes the
     # reader in, so this room reads no data file itself.
     loader: DataLoader | None = None
+    # The step-time profiles the cluster's models name (``loaders.profiles.profiles_for``),
+    # read by the shell like ``loader``; None: the cluster names none.
+    profiles: Profiles | None = None
 
     def png(self, name: str) -> Path:
         """Where experiment ``name`` writes its plot."""
@@ -297,6 +303,7 @@ def make_policy(
     utility_lambda: float = 0.0,
     length: Any = None,
     prefix_aware: bool = True,
+    profiles: Profiles | None = None,
     **knobs: Any,
 ) -> Router:
     """A router from the policy registry (``routing.policies``), built the way the service
@@ -309,7 +316,12 @@ def make_policy(
         base = predictor.predictor if isinstance(predictor, CachedQuality) else predictor
         length = getattr(base, "length", None)
     ctx = policies.RouterContext.build(
-        cluster, predictor, length=length, lam_per_usd=utility_lambda, prefix_aware=prefix_aware
+        cluster,
+        predictor,
+        length=length,
+        lam_per_usd=utility_lambda,
+        prefix_aware=prefix_aware,
+        profiles=profiles,
     )
     router: Router = policies.make_router(name, ctx, **knobs)
     return router
@@ -374,9 +386,11 @@ def simulate(
     config: EvalConfig,
     seed: int,
     progress: Callable[[int, int], None] | None = None,
+    profiles: Profiles | None = None,
 ) -> EvalResult:
     """One policy over one workload on a fresh simulated cluster."""
-    return evaluate(router, SimCluster(cluster, seed=seed), workload, config, progress=progress)
+    sim = SimCluster(cluster, seed=seed, profiles=profiles)
+    return evaluate(router, sim, workload, config, progress=progress)
 
 
 ONTIME_POLICIES = (
@@ -408,6 +422,7 @@ class SimSetup:
     predictor: QualityPredictor
     quality: CachedQuality  # the predictor's answers on ``data``, computed once
     lengths: Trace | None
+    profiles: Profiles | None = None  # the step-time profiles the cluster names
 
 
 def sim_setup(inputs: ExperimentInputs) -> SimSetup:
@@ -426,4 +441,4 @@ def sim_setup(inputs: ExperimentInputs) -> SimSetup:
         if inputs.trace_path is not None and inputs.trace_path.exists()
         else None
     )
-    return SimSetup(cluster, test, pred, CachedQuality(pred, test.texts), lengths)
+    return SimSetup(cluster, test, pred, CachedQuality(pred, test.texts), lengths, inputs.profiles)

@@ -70,9 +70,15 @@ def run_ontime(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
                     else {}
                 )
                 router = make_policy(
-                    pol, st.cluster, st.quality, UTILITY_LAMBDA, length=length, **knobs
+                    pol,
+                    st.cluster,
+                    st.quality,
+                    UTILITY_LAMBDA,
+                    length=length,
+                    profiles=st.profiles,
+                    **knobs,
                 )
-                res = simulate(router, st.cluster, w, cfg, inputs.seed)
+                res = simulate(router, st.cluster, w, cfg, inputs.seed, profiles=st.profiles)
                 s = res.summary()
                 curves[process][pol].append(s["ontime_utility"])
                 details[process][pol].append(

@@ -38,10 +38,12 @@ def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
     length = CachedLength(st.predictor.length, st.data.texts, st.data.prompt_tokens)
 
     def make(name: str, aware: bool) -> Router:
-        return make_policy(name, st.cluster, st.quality, UTILITY_LAMBDA, length, aware)
+        return make_policy(
+            name, st.cluster, st.quality, UTILITY_LAMBDA, length, aware, profiles=st.profiles
+        )
 
     def fresh() -> SimCluster:
-        return SimCluster(st.cluster, seed=inputs.seed)
+        return SimCluster(st.cluster, seed=inputs.seed, profiles=st.profiles)
 
     def note(msg: str) -> None:
         if progress is not None:

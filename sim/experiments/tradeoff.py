@@ -49,12 +49,19 @@ def run_tradeoff(inputs: ExperimentInputs, progress: Progress | None = None) -> 
     for d in deltas:
         res = simulate(
             make_policy(
-                "latency-aware", st.cluster, st.quality, UTILITY_LAMBDA, length=length, delta=d
+                "latency-aware",
+                st.cluster,
+                st.quality,
+                UTILITY_LAMBDA,
+                length=length,
+                profiles=st.profiles,
+                delta=d,
             ),
             st.cluster,
             w,
             cfg,
             inputs.seed,
+            profiles=st.profiles,
         )
         s = res.summary()
         curve.append(
@@ -83,11 +90,14 @@ def run_tradeoff(inputs: ExperimentInputs, progress: Progress | None = None) -> 
     base: dict[str, Any] = {}
     for pol in (*BASELINES, "batch-ilp-sfs"):
         res = simulate(
-            make_policy(pol, st.cluster, st.quality, UTILITY_LAMBDA, length=length),
+            make_policy(
+                pol, st.cluster, st.quality, UTILITY_LAMBDA, length=length, profiles=st.profiles
+            ),
             st.cluster,
             w,
             cfg,
             inputs.seed,
+            profiles=st.profiles,
         )
         s = res.summary()
         base[pol] = {

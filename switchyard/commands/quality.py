@@ -68,6 +68,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
     ) -> None:
         """Train a quality predictor (bootstrap ensemble + conformal lower bound + length model)."""
+        from loaders.minilm import minilm_source
+        from loaders.predictor import save_predictor
         from offline.datasets import load_routing_data
         from routing.datasets import DataError, split_by_query
         from routing.quality import ESTIMATORS, train_predictor
@@ -87,11 +89,19 @@ def register(app: typer.Typer) -> None:
             raise _fail(str(e)) from None
         train_part = split_by_query(rd, test_fraction, seed)[0] if test_fraction > 0 else rd
         try:
-            pred = train_predictor(train_part, estimator, featurizer, replicates, level, seed=seed)
+            pred = train_predictor(
+                train_part,
+                estimator,
+                featurizer,
+                replicates,
+                level,
+                seed=seed,
+                minilm=None if featurizer == "hashed" else minilm_source(),
+            )
         except (RuntimeError, ValueError) as e:
             raise _fail(str(e)) from None
         pred.meta.update({"data": str(data), "format": format, "test_fraction": test_fraction})
-        pred.save(out)
+        save_predictor(pred, out)
         summary = {
             "out": str(out),
             "estimator": estimator,
@@ -137,9 +147,10 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
     ) -> None:
         """Coverage of the robust bound and point-vs-robust routing at several budgets."""
+        from loaders.predictor import load_predictor
         from offline.datasets import load_routing_data
         from routing.datasets import DataError
-        from routing.quality import ArtefactError, load_predictor
+        from routing.quality import ArtefactError
         from routing.quality.evaluate import evaluate_predictor
 
         fractions = _fractions(budget_fractions)

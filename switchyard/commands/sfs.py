@@ -1,6 +1,6 @@
 """``switchyard profiles`` and ``switchyard validate-ttft``: step-time profiles and SFS checks.
 
-Thin shell over ``offline.profiles`` (building, fitting, validation) and ``routing.profiles``.
+Thin shell over ``offline.profiles`` (building, fitting, validation) and ``loaders.profiles``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         """List the step-time profiles with their coefficients and fit errors."""
         if ctx.invoked_subcommand is not None:
             return
-        from routing.profiles import all_profiles
+        from loaders.profiles import all_profiles
 
         profs = all_profiles()
         if as_json:
@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
 
         Profiles measured by `switchyard profile-vllm` are re-fitted from their steps files
         (data/profiles/vllm-steps)."""
-        from routing import profiles as prof
+        from loaders import profiles as prof
         from wiring.paths import shared_data, vendored_data
 
         data_dir = vendored_data("profiles")
@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
         result["profiles"].update(refit_measured(existing, data_dir / "vllm-steps"))
         target = out or prof.PROFILES_FILE
         target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        prof._read.cache_clear()
+        prof.clear_cache()
         for name, rec in result["profiles"].items():
             typer.echo(f"{name:34s} fit MAPE {100 * rec['fit']['mape']:.2f}%  -> {target}")
 

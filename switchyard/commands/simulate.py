@@ -183,10 +183,12 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+        from loaders.predictor import load_predictor
+        from loaders.profiles import profiles_for
         from offline.datasets import load_routing_data
         from routing.datasets import split_by_query
         from routing.policies.registry import effective_options, parse_options
-        from routing.quality import load_predictor, train_predictor
+        from routing.quality import train_predictor
         from schemas import ClusterConfig
         from sim import report as rep
         from sim.cluster import SimCluster
@@ -197,6 +199,7 @@ def register(app: typer.Typer) -> None:
         console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 160)
         try:
             cfg = ClusterConfig.from_file(cluster)
+            profiles = profiles_for(cfg)
             data_path, fmt = _default_data(data, format)
             rd = load_routing_data(data_path, fmt, models_csv)
             if predictor is not None:
@@ -244,7 +247,9 @@ def register(app: typer.Typer) -> None:
                 shown = ", ".join(f"{k}={v}" for k, v in effective_options(p, **options).items())
                 console.print(f"{p}: options {shown or 'none'}", highlight=False)
             routers = [
-                make_policy(p, cfg, quality, utility_lambda, length=length, **options)
+                make_policy(
+                    p, cfg, quality, utility_lambda, length=length, profiles=profiles, **options
+                )
                 for p in policy
             ]
         except (OSError, ValueError, KeyError, TrafficError) as exc:
@@ -263,7 +268,7 @@ def register(app: typer.Typer) -> None:
                 task = bar.add_task(f"{name:16s}", total=w.n)
                 res = evaluate(
                     router,
-                    SimCluster(cfg, seed=seed),
+                    SimCluster(cfg, seed=seed, profiles=profiles),
                     w,
                     ecfg,
                     progress=lambda done, total, t=task: bar.update(t, completed=done),  # type: ignore[misc]
@@ -356,7 +361,9 @@ def register(app: typer.Typer) -> None:
         """Reproduce one paper figure; writes <name>.md, <name>.json and <name>.png."""
         from rich.console import Console
 
+        from loaders.profiles import profiles_for
         from offline.datasets import load_routing_data
+        from schemas import ClusterConfig
         from sim import experiments as ex
         from sim import report as rep
         from sim.traffic import resolve_trace
@@ -372,6 +379,7 @@ def register(app: typer.Typer) -> None:
                 models = load_routing_data(data_path, fmt, models_csv).models
                 cluster = paper_a_cluster(models) if name in ("ontime", "tradeoff") else None
                 cluster = cluster or cluster_for_models(models)
+            profiles = profiles_for(ClusterConfig.from_file(cluster))
         except (OSError, ValueError) as exc:
             _fail(str(exc))
             return
@@ -396,6 +404,7 @@ def register(app: typer.Typer) -> None:
             tag=suffix,
             delta=delta,
             loader=load_routing_data,
+            profiles=profiles,
         )
         out_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

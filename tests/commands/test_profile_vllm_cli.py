@@ -8,8 +8,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from loaders.profiles import load_profile
 from offline.vllm_profile import steps_text
-from routing.profiles import load_profile
 from switchyard.cli import app
 
 runner = CliRunner(env={"COLUMNS": "300"})

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaders.profiles import all_profiles, load_profile
 from offline.vllm_profile import (
     STEPS_FORMAT,
     Step,
@@ -22,7 +23,7 @@ from offline.vllm_profile import (
     sweep_plan,
     table_step_ms,
 )
-from routing.profiles import Table, all_profiles, load_profile
+from routing.profiles import Table
 from routing.steptime import StepTimeModel, attn_units
 
 TRUE = StepTimeModel(

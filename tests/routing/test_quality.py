@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +15,8 @@ from routing.quality import (
     bootstrap_weights,
     conformal_kappa,
     coverage,
-    load_predictor,
     make_estimator,
+    predictor_from_bytes,
     train_predictor,
 )
 from routing.quality.evaluate import (
@@ -138,14 +138,12 @@ def test_interval_coverage_matches_nominal(
 @pytest.mark.parametrize("name", ["knn", "gbdt", "irt"])
 def test_artefact_round_trip_gives_identical_predictions(
     name: str,
-    tmp_path: Path,
     synth: tuple[RoutingData, RoutingData, np.ndarray],
     trained: dict[str, QualityPredictor],
 ) -> None:
     _, test, _ = synth
     pred = trained[name]
-    pred.save(tmp_path / "p.npz")
-    again = load_predictor(tmp_path / "p.npz")
+    again = predictor_from_bytes(pred.to_bytes())
     a, b = pred.predict(test.texts[:100]), again.predict(test.texts[:100])
     # to float32 rounding: ``pred``'s memo holds predictions made in other windows, and BLAS
     # may round a row by its position in the product (tests/routing/test_quality_memo.py)
@@ -169,24 +167,22 @@ def test_empty_window_gives_empty_estimate(name: str, trained: dict[str, Quality
     assert est.mean.shape == est.lower.shape == (0, len(MODELS))
 
 
-def test_artefact_version_and_format_are_checked(
-    tmp_path: Path, trained: dict[str, QualityPredictor]
-) -> None:
-    path = tmp_path / "p.npz"
-    trained["knn"].save(path)
-    with np.load(path) as npz:
+def test_artefact_version_and_format_are_checked(trained: dict[str, QualityPredictor]) -> None:
+    with np.load(io.BytesIO(trained["knn"].to_bytes())) as npz:
         arrays = {k: npz[k] for k in npz.files}
     header = json.loads(bytes(arrays["header"]).decode())
     header["version"] = 999
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    np.savez(tmp_path / "future.npz", **arrays)
-    with pytest.raises(ArtefactError, match="artefact version 999"):
-        load_predictor(tmp_path / "future.npz")
-    (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(ArtefactError, match="not a predictor artefact"):
-        load_predictor(tmp_path / "junk.npz")
-    with pytest.raises(ArtefactError, match="no such predictor file"):
-        load_predictor(tmp_path / "absent.npz")
+    future = io.BytesIO()
+    np.savez(future, **arrays)
+    with pytest.raises(ArtefactError, match="future.npz: artefact version 999"):
+        predictor_from_bytes(future.getvalue(), "future.npz")
+    with pytest.raises(ArtefactError, match="junk.npz: not a predictor artefact"):
+        predictor_from_bytes(b"not a zip", "junk.npz")
+    header_less = io.BytesIO()
+    np.savez(header_less, x=np.zeros(1))
+    with pytest.raises(ArtefactError, match="no header"):
+        predictor_from_bytes(header_less.getvalue())
 
 
 def test_unknown_estimator() -> None:

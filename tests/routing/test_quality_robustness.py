@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaders.predictor import load_predictor, save_predictor
 from routing.datasets import RoutingData
 from routing.quality import (
     QualityPredictor,
     RobustSpec,
-    load_predictor,
     recalibrate,
     select_robustness,
     train_predictor,
@@ -139,7 +139,7 @@ def test_trained_predictor_stores_the_selection_and_round_trips(
 ) -> None:
     sel = small_pred.meta["robust_selection"]
     assert sel["chosen"] == small_pred.robust.to_json()  # type: ignore[union-attr]
-    small_pred.save(tmp_path / "p.npz")
+    save_predictor(small_pred, tmp_path / "p.npz")
     again = load_predictor(tmp_path / "p.npz")
     assert again.robust == small_pred.robust
     texts = ["fit 1 beta alpha", "new query"]
@@ -149,7 +149,7 @@ def test_trained_predictor_stores_the_selection_and_round_trips(
 def test_version_1_artefact_routes_on_its_conformal_bound(
     small_pred: QualityPredictor, tmp_path: Path
 ) -> None:
-    small_pred.save(tmp_path / "p.npz")
+    save_predictor(small_pred, tmp_path / "p.npz")
     with np.load(tmp_path / "p.npz") as npz:
         arrays = {k: npz[k] for k in npz.files}
     header = json.loads(bytes(arrays["header"]).decode())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from routing.profiles import load_profile
+from loaders.profiles import load_profile
 from routing.recalibration import OnlineRefit, RefitConfig, decode_row, fit_with_prior, ttft_row
 from routing.sfs import estimate_ttft_ms
 from routing.steptime import StepTimeModel

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from routing.profiles import Table, list_profiles, load_profile, profile_record
+from loaders.profiles import list_profiles, load_profile, profile_record
+from routing.profiles import Profiles, Table
 from routing.steptime import StepTimeModel, attn_units, features, fit_nnls
 from schemas import StepTimeCoefficients
 
@@ -99,6 +102,18 @@ def test_profiles_record_their_fit_error() -> None:
         real = fit.get("real") or {}
         if real:
             assert real["table_mape"] < 0.10, name  # the table vs real timings
+
+
+def test_profiles_are_built_from_a_document_without_a_file() -> None:
+    rec = profile_record("llama-2-7b-hf@h100")
+    book = Profiles.from_json(json.dumps({"profiles": {"Toy@CPU": rec}}), source="inline")
+    assert book.names() == ["toy@cpu"]
+    assert book.model("TOY@cpu") == load_profile("llama-2-7b-hf@h100")
+    np.testing.assert_array_equal(book.table("toy@cpu").dense_ms, Table.from_record(rec).dense_ms)
+    with pytest.raises(KeyError, match=r"known: \['toy@cpu'\]"):
+        book.record("llama-2-7b-hf@h100")
+    with pytest.raises(ValueError, match="inline has no 'profiles' object"):
+        Profiles.from_document({"tables": {}}, source="inline")
 
 
 def test_profile_table_is_not_the_linear_model() -> None:

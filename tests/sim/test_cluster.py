@@ -67,3 +67,17 @@ def test_errors_name_the_problem() -> None:
     c.advance_to(1.0)
     with pytest.raises(ClusterError, match="before the cluster clock"):
         c.advance_to(0.5)
+
+
+def test_a_named_profile_comes_from_the_profiles_the_cluster_is_given() -> None:
+    from loaders.profiles import read_profiles
+    from sim.timing import TableTiming
+
+    raw = small_cluster(n_small=1, n_big=0, cloud=False).model_dump()
+    raw["models"][0]["step_time"] = None
+    raw["models"][0]["profile"] = "llama-2-7b-hf@h100"
+    named = type(small_cluster()).model_validate(raw)
+    with pytest.raises(ClusterError, match="no step-time profiles were given"):
+        SimCluster(named)  # sim/ reads no profiles file itself
+    c = SimCluster(named, profiles=read_profiles())
+    assert isinstance(c.engines["small-0"].timing, TableTiming)

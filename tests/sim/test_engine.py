@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from loaders.profiles import read_profiles
 from routing.steptime import StepTimeModel, features, fit_nnls
 from routing.types import InstanceState
 from schemas import InstanceSnapshot, SchedulerConfig
@@ -125,7 +126,7 @@ def test_step_log_refits_the_model_it_ran() -> None:
 
 
 def test_table_timing_from_a_profile_runs_and_is_plausible() -> None:
-    eng = SimEngine(TableTiming.from_profile("llama-2-7b-hf@h100"), SchedulerConfig(), seed=0)
+    eng = SimEngine(TableTiming.from_profile(read_profiles(), "llama-2-7b-hf@h100"), SchedulerConfig(), seed=0)
     eng.submit("a", 0.0, 1500, 100)
     eng.run_until_idle()
     (rec,) = eng.finished

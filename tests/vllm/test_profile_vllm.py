@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from loaders.profiles import all_profiles, load_profile
 from offline.vllm_profile import STEPS_FORMAT, read_steps
-from routing.profiles import Table, all_profiles, load_profile
+from routing.profiles import Table
 from switchyard.cli import app
 
 pytestmark = [pytest.mark.vllm]

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loaders.profiles import load_profile
 from routing.policies.context import SfsTtft
-from routing.profiles import load_profile
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, InstanceView
 from schemas import ClusterConfig, Decision, Query, RoutedQuery
