@@ -27,7 +27,9 @@ vice versa), so the selection never scores offsets on the queries that set them.
 
 A candidate is admissible only if its mean gain over the budgets is at least
 ``min_gain`` and positive in at least ``1 − alpha / (number of candidates)`` of paired
-bootstrap resamples of the calibration queries (Bonferroni), and at no budget does it lose in more than half of them; the admissible candidate with the largest mean
+bootstrap resamples of the calibration queries (Bonferroni), and at no budget does it lose
+in more than a quarter of them (``MAX_LOSS_SHARE_PER_BUDGET``); the admissible candidate
+with the largest mean
 gain wins, and with none admissible the point estimate is kept. The point estimate is
 thus the default, and robustness must earn its place on data the fit never saw.
 ``recalibrate`` reruns the selection on labelled queries of the traffic actually served
@@ -56,6 +58,12 @@ MIN_MEAN_GAIN = 0.005
 calibration queries: smaller gains are within what a held-out set of ~1,000 queries
 shows as noise, and a robust value that moves decisions for less risks losing there
 (dc9, hybrid features, kNN: +0.2% on calibration, −0.2% AUC on held-out)."""
+MAX_LOSS_SHARE_PER_BUDGET = 0.25
+"""At every budget the candidate may lose to the point estimate in at most this share of
+the paired resamples (it must win or tie in 3 of 4). Half (the median resample, the rule
+before) let through ccf20 GBDT's per-model bound (70/30 split of ``switchyard experiment
+robust``): +0.1% to +1.9% at all 20 calibration budgets, but +0.1% at 0.15 with losses in
+38% of resamples, and on held-out queries it lost 1.0% there (and 0.1–0.3% at 0.65–0.95)."""
 MIN_CALIBRATION_QUERIES = 200
 """Below this, differences between candidates are within the noise of a few queries
 (nq6's 80 calibration queries admitted ``std x 2``, which then lost 0.4% at one budget on
@@ -232,6 +240,7 @@ def select_robustness(
     seed: int = 0,
     min_queries: int = MIN_CALIBRATION_QUERIES,
     min_gain: float = MIN_MEAN_GAIN,
+    max_loss_share: float = MAX_LOSS_SHARE_PER_BUDGET,
 ) -> Selection:
     """Choose the robust value on held-out calibration queries (``[N, m]`` arrays).
 
@@ -293,8 +302,8 @@ def select_robustness(
         p_worse = float((boot_f < 0).mean(axis=1).max())
         worst = float(gain_f.min())
         mean_gain = float(gain_f.mean())
-        # median-resample gain >= 0 at every budget, and a real effect on average
-        ok = p_not_better < alpha_each and p_worse <= 0.5 and mean_gain >= min_gain
+        # wins or ties in most resamples at every budget, and a real effect on average
+        ok = p_not_better < alpha_each and p_worse <= max_loss_share and mean_gain >= min_gain
         report.append(
             {
                 "label": spec.label(),
@@ -302,6 +311,8 @@ def select_robustness(
                 "worst_gain": worst,
                 "p_not_better": p_not_better,
                 "p_worse_at_worst_budget": p_worse,
+                "gain_by_budget": [float(g) for g in gain_f],
+                "p_worse_by_budget": [float(p) for p in (boot_f < 0).mean(axis=1)],
                 "admissible": ok,
             }
         )
