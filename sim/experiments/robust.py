@@ -27,6 +27,7 @@ from routing.quality.robustness import bias_ucb
 from routing.types import FloatArray
 from sim import report
 from sim.experiments.common import (
+    ExperimentError,
     ExperimentInputs,
     ExperimentResult,
     Progress,
@@ -148,6 +149,11 @@ def run_robust(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
         batches = make_batches(rng.permutation(off.test.n), batch_size)
         q = off.scores.mean(axis=0)
         j_best = int(np.argmax(q))
+        if not float(off.c_hat[:, j_best].sum()) > 0:
+            raise ExperimentError(
+                "the predictor has no per-token prices (predicted cost 0): pass a models CSV "
+                "with prices (--models-csv); the batch ILP needs predicted costs"
+            )
         per_budget = []
         for frac in fractions:
             budget = frac * float(off.c_hat[:, j_best].mean()) * batch_size

@@ -391,7 +391,7 @@ def register(app: typer.Typer) -> None:
         suffix = (
             tag
             + (f"-delta{delta:g}" if delta is not None else "")
-            + ("-shift" if shift_tasks else "")
+            + (f"-shift-{shift_tasks[0]}" if shift_tasks else "")
             + ("-quick" if quick else "")
         )
         inputs = ex.ExperimentInputs(
