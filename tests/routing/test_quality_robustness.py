@@ -19,7 +19,7 @@ from routing.quality import (
     train_predictor,
 )
 from routing.quality.evaluate import evaluate_routing
-from routing.quality.robustness import MAX_LOSS_SHARE_PER_BUDGET, bias_ucb
+from routing.quality.robustness import MAX_LOSS_SHARE_PER_BUDGET, affine_fit, bias_ucb
 
 pytestmark = pytest.mark.usefixtures("one_blas_thread")
 
@@ -205,3 +205,22 @@ def test_a_stricter_loss_share_rejects_the_candidate_that_lost_too_often() -> No
     again = next(c for c in strict.candidates if c["label"] == loose.spec.label())
     assert not again["admissible"]
     assert select_robustness(*args, max_loss_share=-1.0).spec == RobustSpec()  # none can pass
+
+
+def test_affine_fit_recovers_a_per_model_line_and_shrinks_to_identity() -> None:
+    rng = np.random.default_rng(0)
+    mean = rng.uniform(0.2, 0.8, (4000, 2))
+    y = np.column_stack([0.1 + 0.5 * mean[:, 0], mean[:, 1]]) + rng.normal(0, 0.05, (4000, 2))
+    off, scale = affine_fit(mean, y)
+    np.testing.assert_allclose([-off[0], scale[0]], [0.1, 0.5], atol=0.02)
+    np.testing.assert_allclose([-off[1], scale[1]], [0.0, 1.0], atol=0.02)
+    off, scale = affine_fit(mean[:3], y[:3], prior_n=1e6)  # no evidence: the identity
+    np.testing.assert_allclose(off, 0.0, atol=1e-3)
+    np.testing.assert_allclose(scale, 1.0, atol=1e-3)
+    spec = RobustSpec("per-model-affine", offset_per_model=(0.1, 0.0), scale_per_model=(2.0, 1.0))
+    np.testing.assert_allclose(
+        spec.lower(np.array([[0.5, 0.5]]), np.zeros((1, 2)), 0.0), [[0.9, 0.5]]
+    )
+    assert RobustSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    with pytest.raises(ValueError, match="offsets and scales"):
+        RobustSpec("per-model-affine", offset_per_model=(0.1,))
