@@ -8,6 +8,8 @@ estimate with one conformal κ ≈ 37 for all models). So the amount is *selecte
     candidates  point:            a_ij = mean_ij
                 std(κ):           a_ij = mean_ij − κ · std_ij
                 per-model(ℓ, κ):  a_ij = mean_ij − u_j(ℓ) − κ · std_ij
+                per-model affine: a_ij = β_j · mean_ij − o_j   (``affine_fit``: a per-model
+                                  least-squares line, shrunk to the identity)
 
 ``std`` is the bootstrap spread (epistemic: the estimator's own disagreement);
 ``u_j(ℓ)`` is an upper confidence bound, at one-sided level ℓ, on model j's bias
@@ -27,7 +29,9 @@ vice versa), so the selection never scores offsets on the queries that set them.
 
 A candidate is admissible only if its mean gain over the budgets is at least
 ``min_gain`` and positive in at least ``1 − alpha / (number of candidates)`` of paired
-bootstrap resamples of the calibration queries (Bonferroni), and at no budget does it lose in more than half of them; the admissible candidate with the largest mean
+bootstrap resamples of the calibration queries (Bonferroni), and at no budget does it lose
+in more than a quarter of them (``MAX_LOSS_SHARE_PER_BUDGET``); the admissible candidate
+with the largest mean
 gain wins, and with none admissible the point estimate is kept. The point estimate is
 thus the default, and robustness must earn its place on data the fit never saw.
 ``recalibrate`` reruns the selection on labelled queries of the traffic actually served
@@ -47,7 +51,7 @@ import numpy.typing as npt
 
 from routing.types import FloatArray
 
-KINDS = ("point", "std", "conformal", "per-model")
+KINDS = ("point", "std", "conformal", "per-model", "per-model-affine")
 STD_KAPPAS = (0.5, 1.0, 2.0, 4.0)
 BIAS_LEVELS = (0.5, 0.9)
 SELECTION_FRACTIONS = tuple(float(f) for f in np.linspace(0.05, 1.0, 20))
@@ -56,6 +60,12 @@ MIN_MEAN_GAIN = 0.005
 calibration queries: smaller gains are within what a held-out set of ~1,000 queries
 shows as noise, and a robust value that moves decisions for less risks losing there
 (dc9, hybrid features, kNN: +0.2% on calibration, −0.2% AUC on held-out)."""
+MAX_LOSS_SHARE_PER_BUDGET = 0.25
+"""At every budget the candidate may lose to the point estimate in at most this share of
+the paired resamples (it must win or tie in 3 of 4). Half (the median resample, the rule
+before) let through ccf20 GBDT's per-model bound (70/30 split of ``switchyard experiment
+robust``): +0.1% to +1.9% at all 20 calibration budgets, but +0.1% at 0.15 with losses in
+38% of resamples, and on held-out queries it lost 1.0% there (and 0.1–0.3% at 0.65–0.95)."""
 MIN_CALIBRATION_QUERIES = 200
 """Below this, differences between candidates are within the noise of a few queries
 (nq6's 80 calibration queries admitted ``std x 2``, which then lost 0.4% at one budget on
@@ -76,13 +86,20 @@ class RobustSpec:
     kappa: float = 0.0
     level: float | None = None
     offset_per_model: tuple[float, ...] = ()
+    scale_per_model: tuple[float, ...] = ()  # per-model-affine: ``scale_j · mean − offset_j``
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"robust kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "per-model" and not self.offset_per_model:
             raise ValueError("robust kind 'per-model' needs offset_per_model")
-        if not all(math.isfinite(k) for k in (self.kappa, *self.offset_per_model)):
+        if self.kind == "per-model-affine" and (
+            not self.offset_per_model or len(self.scale_per_model) != len(self.offset_per_model)
+        ):
+            raise ValueError("robust kind 'per-model-affine' needs offsets and scales per model")
+        if not all(
+            math.isfinite(k) for k in (self.kappa, *self.offset_per_model, *self.scale_per_model)
+        ):
             raise ValueError("robust kappa and offsets must be finite")
         if self.kappa < 0:
             raise ValueError(f"robust kappa must be >= 0, got {self.kappa}")
@@ -94,7 +111,14 @@ class RobustSpec:
             out: FloatArray = mean - self.kappa * (std + s0)
             return out
         out = mean - self.kappa * std
-        if self.kind == "per-model":
+        if self.kind == "per-model-affine":
+            scale = np.asarray(self.scale_per_model, dtype=np.float64)
+            if scale.shape != (mean.shape[1],):
+                raise ValueError(
+                    f"robust spec has {scale.size} per-model scales, the predictor {mean.shape[1]} models"
+                )
+            out = scale[None, :] * mean - self.kappa * std
+        if self.kind in ("per-model", "per-model-affine"):
             off = np.asarray(self.offset_per_model, dtype=np.float64)
             if off.shape != (mean.shape[1],):
                 raise ValueError(
@@ -111,6 +135,8 @@ class RobustSpec:
         if self.kind == "conformal":
             return f"conformal {self.level:g} (kappa {self.kappa:.2f})"
         extra = f" + std x {self.kappa:g}" if self.kappa else ""
+        if self.kind == "per-model-affine":
+            return f"per-model affine{extra}"
         return f"per-model bias ucb {self.level:g}{extra}"
 
     def to_json(self) -> dict[str, Any]:
@@ -119,6 +145,7 @@ class RobustSpec:
             "kappa": self.kappa,
             "level": self.level,
             "offset_per_model": list(self.offset_per_model),
+            "scale_per_model": list(self.scale_per_model),
         }
 
     @classmethod
@@ -129,6 +156,7 @@ class RobustSpec:
             kappa=float(d.get("kappa", 0.0)),
             level=None if lvl is None else float(lvl),
             offset_per_model=tuple(float(k) for k in d.get("offset_per_model", ())),
+            scale_per_model=tuple(float(k) for k in d.get("scale_per_model", ())),
         )
 
 
@@ -149,6 +177,24 @@ def bias_ucb(mean: FloatArray, y: FloatArray, level: float, prior_n: float = 20.
     se = np.sqrt(var / np.maximum(n + prior_n, 1.0))
     out: FloatArray = b + NormalDist().inv_cdf(level) * se
     return out
+
+
+def affine_fit(
+    mean: FloatArray, y: FloatArray, prior_n: float = 20.0
+) -> tuple[FloatArray, FloatArray]:
+    """Per-model ``(offset_j, scale_j)`` with ``y ≈ scale_j · mean − offset_j``: least
+    squares shrunk towards the identity (``offset 0``, ``scale 1``) with ``prior_n``
+    pseudo-observations, so a model with few answers keeps its predictions."""
+    m = mean.shape[1]
+    off, scale = np.zeros(m), np.ones(m)
+    for j in range(m):
+        ok = ~np.isnan(y[:, j])
+        x, t = mean[ok, j], y[ok, j]
+        X = np.column_stack([np.ones(x.size), x])
+        ridge = prior_n * np.diag([1.0, float(np.var(x)) + 1e-6])
+        w = np.linalg.solve(X.T @ X + ridge, X.T @ t + ridge @ np.array([0.0, 1.0]))
+        off[j], scale[j] = -w[0], w[1]
+    return off, scale
 
 
 @dataclass
@@ -232,6 +278,7 @@ def select_robustness(
     seed: int = 0,
     min_queries: int = MIN_CALIBRATION_QUERIES,
     min_gain: float = MIN_MEAN_GAIN,
+    max_loss_share: float = MAX_LOSS_SHARE_PER_BUDGET,
 ) -> Selection:
     """Choose the robust value on held-out calibration queries (``[N, m]`` arrays).
 
@@ -275,6 +322,25 @@ def select_robustness(
                 (RobustSpec("per-model", kappa=k, level=lvl, offset_per_model=tuple(off)), got)
             )
 
+    got = np.zeros_like(base)
+    for fit_rows, eval_rows in ((folds[0], folds[1]), (folds[1], folds[0])):
+        off_a, scale_a = affine_fit(mean[fit_rows], y[fit_rows])
+        spec = RobustSpec(
+            "per-model-affine", offset_per_model=tuple(off_a), scale_per_model=tuple(scale_a)
+        )
+        lo = spec.lower(mean[eval_rows], std[eval_rows], s0)
+        sub_budgets = [b * float(eval_rows.mean()) for b in budgets]
+        got[:, eval_rows] = _realised(_picks(lo, c_hat[eval_rows], sub_budgets), yz[eval_rows])
+    off_a, scale_a = affine_fit(mean, y)
+    cands.append(
+        (
+            RobustSpec(
+                "per-model-affine", offset_per_model=tuple(off_a), scale_per_model=tuple(scale_a)
+            ),
+            got,
+        )
+    )
+
     # Bonferroni: the best of many candidates looks good by chance alone (dc9, hybrid
     # features, kNN: a per-model bound at p = 0.047 gained 1.2% on calibration and lost
     # 0.2% AUC on held-out queries)
@@ -293,8 +359,8 @@ def select_robustness(
         p_worse = float((boot_f < 0).mean(axis=1).max())
         worst = float(gain_f.min())
         mean_gain = float(gain_f.mean())
-        # median-resample gain >= 0 at every budget, and a real effect on average
-        ok = p_not_better < alpha_each and p_worse <= 0.5 and mean_gain >= min_gain
+        # wins or ties in most resamples at every budget, and a real effect on average
+        ok = p_not_better < alpha_each and p_worse <= max_loss_share and mean_gain >= min_gain
         report.append(
             {
                 "label": spec.label(),
@@ -302,6 +368,8 @@ def select_robustness(
                 "worst_gain": worst,
                 "p_not_better": p_not_better,
                 "p_worse_at_worst_budget": p_worse,
+                "gain_by_budget": [float(g) for g in gain_f],
+                "p_worse_by_budget": [float(p) for p in (boot_f < 0).mean(axis=1)],
                 "admissible": ok,
             }
         )

@@ -62,6 +62,10 @@ class ExperimentInputs:
     featurizer: Any = "hashed"
     tag: str = ""  # appended to output file names (e.g. "-irt_router_ccf20-quick")
     delta: float | None = None  # paper A's δ for latency-aware in ``ontime`` (None: its default)
+    # ``robust`` only: serve a task mix unlike the training mix (``robust.shifted_mix``)
+    shift: tuple[str, ...] = ()  # tasks cut from training and over-represented when served
+    shift_keep: float = 0.05  # share of the shift tasks' training queries kept
+    shift_labelled: float = 0.4  # share of the served queries labelled for recalibration
     # Reads ``data_path`` (``offline.datasets.load_routing_data``): the shell passes the
     # reader in, so this room reads no data file itself.
     loader: DataLoader | None = None
@@ -120,12 +124,13 @@ class Offline:
 
     test: RoutingData
     mean: FloatArray
-    lower: FloatArray  # conformally calibrated lower bound (routing.quality's robust value)
+    lower: FloatArray  # the robust value the predictor ships (chosen on its calibration queries)
     boot_lower: FloatArray  # (1 − level) quantile of the bootstrap replicates (paper B's bound)
     c_hat: FloatArray  # predicted cost
     scores: FloatArray  # realised score (nan -> 0)
     cost: FloatArray  # realised cost
     predictor: QualityPredictor
+    std: FloatArray  # bootstrap spread
 
 
 def load_data(inputs: ExperimentInputs) -> RoutingData:
@@ -158,13 +163,20 @@ def offline(
     pred = train_predictor(
         train, estimator, featurizer=featurizer, n_replicates=n_replicates, level=level, seed=seed
     )
+    return predict_offline(pred, test)
+
+
+def predict_offline(pred: QualityPredictor, test: RoutingData) -> Offline:
+    """``pred``'s quality, length and cost predictions on ``test``, beside its outcomes."""
     X = pred.features(test.texts)
     est = pred.predict_features(X)
     boot = pred.bootstrap_lower(X)
     out_tok = pred.predict_output_tokens(test.texts, test.prompt_tokens)
     c_hat = pred.predict_cost_usd(test.prompt_tokens, out_tok)
     scores = np.nan_to_num(test.scores, nan=0.0)
-    return Offline(test, est.mean, est.lower, boot, c_hat, scores, test.realised_cost_usd(), pred)
+    return Offline(
+        test, est.mean, est.lower, boot, c_hat, scores, test.realised_cost_usd(), pred, est.std
+    )
 
 
 def offline_for(

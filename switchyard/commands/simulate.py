@@ -354,6 +354,11 @@ def register(app: typer.Typer) -> None:
         delta: float = typer.Option(
             None, help="ontime: δ of latency-aware (default: the policy's own)"
         ),
+        shift: str = typer.Option(
+            None,
+            help="robust: serve a task mix unlike training: these tasks (comma-separated) cut "
+            "to 5% of their training queries and over-represented when served",
+        ),
         seed: int = typer.Option(0),
         out_dir: Path = typer.Option(RESULTS_DIR, help="Where the table, JSON and PNG go"),
         as_json: bool = typer.Option(False, "--json", help="Print the result JSON"),
@@ -388,8 +393,14 @@ def register(app: typer.Typer) -> None:
         trace_path = resolve_trace(trace, shared_data("traces"))
         cmd = "switchyard experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         tag = "" if data is None else f"-{data_path.parent.name}"
+        shift_tasks = tuple(t for t in (shift or "").split(",") if t)
+        if shift_tasks and name != "robust":
+            _fail("--shift applies to the robust experiment only")
         suffix = (
-            tag + (f"-delta{delta:g}" if delta is not None else "") + ("-quick" if quick else "")
+            tag
+            + (f"-delta{delta:g}" if delta is not None else "")
+            + (f"-shift-{shift_tasks[0]}" if shift_tasks else "")
+            + ("-quick" if quick else "")
         )
         inputs = ex.ExperimentInputs(
             data_path,
@@ -403,6 +414,7 @@ def register(app: typer.Typer) -> None:
             cmd,
             tag=suffix,
             delta=delta,
+            shift=shift_tasks,
             loader=load_routing_data,
             profiles=profiles,
         )

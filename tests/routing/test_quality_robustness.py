@@ -19,7 +19,7 @@ from routing.quality import (
     train_predictor,
 )
 from routing.quality.evaluate import evaluate_routing
-from routing.quality.robustness import bias_ucb
+from routing.quality.robustness import MAX_LOSS_SHARE_PER_BUDGET, affine_fit, bias_ucb
 
 pytestmark = pytest.mark.usefixtures("one_blas_thread")
 
@@ -179,3 +179,48 @@ def test_recalibrate_on_served_traffic(small_pred: QualityPredictor) -> None:
     assert sel.spec == RobustSpec()  # the predictor is unbiased on this traffic
     with pytest.raises(ValueError, match="needs >= 20"):
         recalibrate(small_pred, _routing_data(_world(300, seed=5, bias=0.0), "fit"))
+
+
+@pytest.mark.parametrize("bias", [0.0, 0.1, 0.3])
+def test_no_admissible_candidate_loses_at_a_budget_in_over_the_allowed_share(bias: float) -> None:
+    w = _world(1500, seed=5, bias=bias)
+    sel = select_robustness(w["mean"], w["std"], w["y"], w["cost"], w["cost"], s0=0.03)
+    for c in sel.candidates[1:]:
+        assert len(c["gain_by_budget"]) == len(c["p_worse_by_budget"]) == 20
+        if c["admissible"]:
+            assert max(c["p_worse_by_budget"]) <= MAX_LOSS_SHARE_PER_BUDGET
+    chosen = [c for c in sel.candidates if c["label"] == sel.spec.label()]
+    assert chosen and chosen[0]["admissible"]
+
+
+def test_a_stricter_loss_share_rejects_the_candidate_that_lost_too_often() -> None:
+    w = _world(1500, seed=2, bias=0.3)
+    args = (w["mean"], w["std"], w["y"], w["cost"], w["cost"], 0.03)
+    loose = select_robustness(*args, max_loss_share=0.5)
+    assert loose.spec.kind == "per-model"
+    won = next(c for c in loose.candidates if c["label"] == loose.spec.label())
+    worst = won["p_worse_at_worst_budget"]
+    strict = select_robustness(*args, max_loss_share=worst - 1e-9)
+    assert strict.spec.label() != loose.spec.label()
+    again = next(c for c in strict.candidates if c["label"] == loose.spec.label())
+    assert not again["admissible"]
+    assert select_robustness(*args, max_loss_share=-1.0).spec == RobustSpec()  # none can pass
+
+
+def test_affine_fit_recovers_a_per_model_line_and_shrinks_to_identity() -> None:
+    rng = np.random.default_rng(0)
+    mean = rng.uniform(0.2, 0.8, (4000, 2))
+    y = np.column_stack([0.1 + 0.5 * mean[:, 0], mean[:, 1]]) + rng.normal(0, 0.05, (4000, 2))
+    off, scale = affine_fit(mean, y)
+    np.testing.assert_allclose([-off[0], scale[0]], [0.1, 0.5], atol=0.02)
+    np.testing.assert_allclose([-off[1], scale[1]], [0.0, 1.0], atol=0.02)
+    off, scale = affine_fit(mean[:3], y[:3], prior_n=1e6)  # no evidence: the identity
+    np.testing.assert_allclose(off, 0.0, atol=1e-3)
+    np.testing.assert_allclose(scale, 1.0, atol=1e-3)
+    spec = RobustSpec("per-model-affine", offset_per_model=(0.1, 0.0), scale_per_model=(2.0, 1.0))
+    np.testing.assert_allclose(
+        spec.lower(np.array([[0.5, 0.5]]), np.zeros((1, 2)), 0.0), [[0.9, 0.5]]
+    )
+    assert RobustSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    with pytest.raises(ValueError, match="offsets and scales"):
+        RobustSpec("per-model-affine", offset_per_model=(0.1,))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gzip
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,9 +126,10 @@ def _tiny_dataset(tmp: Path, n: int = 260) -> tuple[Path, Path, Path]:
     return data, prices, cluster
 
 
-def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
-    data, prices, cluster = _tiny_dataset(tmp_path)
-    inputs = ex.ExperimentInputs(
+def _tiny_inputs(tmp_path: Path, n: int = 260, **kw: Any) -> ex.ExperimentInputs:
+    """Quick experiment inputs on ``_tiny_dataset`` (3 replicates, a small featurizer)."""
+    data, prices, cluster = _tiny_dataset(tmp_path, n=n)
+    return ex.ExperimentInputs(
         data,
         "long",
         prices,
@@ -135,10 +137,14 @@ def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
         tmp_path,
         quick=True,
         replicates=3,
-        estimator="knn",
         featurizer=HashedNgramFeaturizer(n_buckets=512, rank=8, fit_max_texts=300),
         loader=load_routing_data,
+        **kw,
     )
+
+
+def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
+    inputs = _tiny_inputs(tmp_path, estimator="knn")
     b = ex.run("batching", inputs)
     for kind in ("random", "adversarial"):
         assert {"batch", "per_query", "gain"} <= set(b.json[kind])
@@ -148,3 +154,61 @@ def test_offline_experiments_write_the_issue_json_keys(tmp_path: Path) -> None:
     al = ex.run("allocation", inputs)
     assert {"gain", "gpus_to_match_best_single", "gpus_best_single"} <= set(al.json)
     assert al.png.exists() and "| GPUs |" in al.markdown()
+
+
+def test_shifted_mix_cuts_the_tasks_from_training_and_serves_mostly_them(tmp_path: Path) -> None:
+    from sim.experiments.robust import shifted_mix
+
+    data = load_routing_data(*_tiny_dataset(tmp_path, n=400)[:1], "long", tmp_path / "models.csv")
+    train, test = ex.split(data, 0)
+    fit, served = shifted_mix(train, test, ("math", "code"), keep=0.1, seed=0)
+    rare_train = sum(t in ("math", "code") for t in train.tasks)
+    rare_fit = sum(t in ("math", "code") for t in fit.tasks)
+    assert 0 < rare_fit < 0.3 * rare_train  # ~10% kept
+    assert fit.n == train.n - (rare_train - rare_fit)
+    share = np.mean([t in ("math", "code") for t in served.tasks])
+    assert 0.75 < share < 0.85  # the rare tasks plus a quarter as many others
+    assert not set(served.texts) & set(fit.texts)  # served queries are held out
+    with pytest.raises(ValueError, match="not in the data"):
+        shifted_mix(train, test, ("nope",), keep=0.1, seed=0)
+
+
+@pytest.mark.parametrize("shift", [(), ("math", "code", "history", "poem")])
+def test_robust_experiment_reports_every_variant_and_budget(
+    tmp_path: Path, shift: tuple[str, ...]
+) -> None:
+    inputs = _tiny_inputs(tmp_path, n=400, shift=shift)
+    r = ex.run("robust", inputs)
+    variants = ["point", "selected", "bootstrap_q", "conformal"]
+    if shift:
+        variants = [
+            "point",
+            "selected",
+            "recalibrated",
+            "per-model bias (forced)",
+            "per-model affine (oracle)",
+        ]
+    for est in ("knn", "gbdt", "irt"):
+        got = r.json[est]
+        assert [b["budget_fraction"] for b in got["by_budget"]] == list(r.json["fractions"])
+        for b in got["by_budget"]:
+            assert set(variants) <= set(b)
+            assert all(0.0 <= b[k] <= 1.0 for k in variants)
+        # too few calibration queries to tell candidates apart: the shipped value is the
+        # point estimate, which routes exactly like it
+        assert got["selected"] == "point"
+        assert got["worst_gain_selected"] == 0.0
+        if shift:
+            assert got["labelled_served_queries"] + got["held_out_served_queries"] > 0
+    assert r.png.exists()
+
+
+def test_oracle_affine_is_the_per_model_least_squares_line() -> None:
+    from sim.experiments.robust import oracle_affine
+
+    rng = np.random.default_rng(0)
+    mean = rng.random((200, 3))
+    y = np.stack([0.1 + 0.5 * mean[:, 0], 0.9 - 0.2 * mean[:, 1], mean[:, 2]], axis=1)
+    np.testing.assert_allclose(oracle_affine(mean, y), y, atol=1e-9)
+    flat = np.full((10, 1), 0.3)
+    np.testing.assert_array_equal(oracle_affine(flat, rng.random((10, 1))), flat)
