@@ -130,3 +130,39 @@ def test_a_cloud_model_has_no_reconciler() -> None:
                Settings(), _State())  # type: ignore[arg-type]  # fmt: skip
     assert w.prefix_reconciler is None
     w._prefix_started(_routed("q", 100), 20_000)  # a no-op
+
+
+async def test_fake_vllm_counts_prefix_hits_and_the_backend_reads_them() -> None:
+    """fake-vllm caches a prompt's text blocks (schemas.prefix) like vLLM's prefix caching
+    and exports ``vllm:prefix_cache_*``; ``VllmBackend.engine_load`` hands them on."""
+    from schemas import SchedulerConfig, StepTimeCoefficients
+    from workers.backends.base import GenerationRequest
+    from workers.backends.vllm import VllmBackend, VllmConfig
+    from workers.fake_vllm import FakeVllmConfig, build_server, start_server
+
+    coef = StepTimeCoefficients(c0_ms=2.0, c1_ms_per_token=0.01, c2_ms_per_ctx_token=0.0,
+                                c3_ms_per_attn_unit=0.0)  # fmt: skip
+    for caching in (True, False):
+        srv = await start_server(build_server(
+            coefficients=coef, scheduler=SchedulerConfig(prefix_caching=caching),
+            config=FakeVllmConfig(model="m"), time_scale=10.0))  # fmt: skip
+        be = VllmBackend(VllmConfig(endpoint=srv.url, model="m"))
+        await be.start()
+        try:
+            first = "word " * 1000  # 5000 bytes: 4 whole 1 KiB blocks
+            for i, text in enumerate((first, first + "and more " * 200)):
+                q = Query(id=f"q{i}", prompt=text, max_tokens=2)
+                gen = await be.generate(GenerationRequest(q, f"r{i}", q.estimated_prompt_tokens(), 2),
+                                        lambda p, d: None)  # fmt: skip
+                assert gen.error is None
+            load = await be.engine_load()
+            assert load.prefix_counters is not None
+            queried, hits = load.prefix_counters
+            if caching:
+                assert queried == pytest.approx(1250 + 1700)  # both prompts looked up
+                assert hits == 4 * 256  # the second finds the first's 4 whole blocks cached
+            else:
+                assert (queried, hits) == (0.0, 0.0)  # prefix caching off: no lookups
+        finally:
+            await be.close()
+            await srv.stop()
