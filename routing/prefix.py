@@ -23,7 +23,7 @@ All of it is vectorised over the window's queries (numpy), one call per instance
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -37,6 +37,7 @@ __all__ = [
     "ColumnPrefix",
     "LruPrefixModel",
     "WindowPrefixes",
+    "routed_hit_tokens",
     "full_blocks",
     "query_block_hashes",
     "reconciled_capacity",
@@ -259,3 +260,32 @@ class LruPrefixModel:
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self._blocks.keys(), np.uint64, len(self._blocks)))
         return self._sorted
+
+
+def routed_hit_tokens(
+    queries: Sequence[Query],
+    instance_ids: Sequence[str],
+    cached: Mapping[str, HashArray | None],
+) -> list[int | None]:
+    """What the prefix model predicts each routed query finds cached where it was sent:
+    the leading blocks ``cached[instance]`` (sorted, the window's snapshot) holds, or the
+    prefix an earlier query of the same list sent to the same instance shares with it
+    (that one's touch puts its blocks in the model first), whichever is longer. None for
+    an instance without a model (``cached`` lacks it or holds None: a cloud model, a blind
+    window). One vectorised pass per instance."""
+    out: list[int | None] = [None] * len(queries)
+    rows: dict[str, list[int]] = {}
+    for i, iid in enumerate(instance_ids):
+        rows.setdefault(iid, []).append(i)
+    for iid, idx in rows.items():
+        held = cached.get(iid)
+        if held is None:
+            continue
+        qs = [queries[i] for i in idx]
+        prompt = np.fromiter((q.estimated_prompt_tokens() for q in qs), np.int64, len(qs))
+        wp = WindowPrefixes.of_queries(qs, prompt)
+        _, shared = wp.sharing()
+        hits = np.maximum(wp.hit_tokens(held), shared)
+        for i, h in zip(idx, hits.tolist(), strict=True):
+            out[i] = int(h)
+    return out

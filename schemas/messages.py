@@ -66,6 +66,11 @@ class Decision(BaseModel):
     predicted_cost_usd: float | None = Field(default=None, ge=0)
     predicted_ttft_ms: float | None = Field(default=None, ge=0)
     predicted_output_tokens: int | None = Field(default=None, ge=0)
+    # prompt tokens the router's prefix-cache model of the chosen instance held for this
+    # query when it was routed (state.prefix; earlier queries of its window sent there
+    # included); None when unknown (a cloud model, no model read). The worker compares
+    # them with the engine's own hit count (workers.prefix_reconcile).
+    predicted_cached_tokens: int | None = Field(default=None, ge=0)
     decided_at: float = Field(ge=0)
     budget_period: str | None = None  # ledger period the predicted cost was reserved in
     reason: str | None = None

@@ -11,9 +11,11 @@ per instance (≈ 500 for a 128k-token cache and 256-token blocks).
 The router reads every instance's model in the snapshot it takes each window
 (``state.liveness``: ``InstanceLive.prefix_hashes``) and touches what it routed
 (``RedisPrefix.prefix_touch_many``, one pipelined call per window); a worker touches what
-finished on its instance (``workers.worker``). Not yet wired: the
-worker resizing the model from vLLM's counters
-(``workers/prefix_reconcile.py`` computes the capacity).
+finished on its instance (``workers.worker``). A vLLM instance's worker also compares the
+model's predictions (``Decision.predicted_cached_tokens``) with the engine's own
+``prefix_cache_hits_total`` (``workers.prefix_reconcile``) and, when they disagree, stores a
+new capacity with its next touch (``PrefixTouch.set_capacity``); from then on every touch,
+the routers' included, evicts down to the stored capacity.
 """
 
 from __future__ import annotations
@@ -35,18 +37,27 @@ KEEP_S = 3600.0
 """An instance's model expires an hour after its last touch (an instance gone for good)."""
 
 
-def touch_of(instance_id: str, q: Query, spec: ModelSpec) -> PrefixTouch | None:
+def kv_cache_tokens(spec: ModelSpec) -> float:
+    """An instance's configured KV-cache tokens: its prefix model's capacity by default."""
+    return float(spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens)
+
+
+def touch_of(
+    instance_id: str, q: Query, spec: ModelSpec, reconciled_tokens: float | None = None
+) -> PrefixTouch | None:
     """The touch of ``q``'s whole prefix blocks on ``instance_id`` (an instance of ``spec``),
-    its model's capacity that instance's KV-cache tokens; None for a cloud model (no cache
-    of ours) or a prompt shorter than one block."""
+    its model's capacity that instance's KV-cache tokens, or ``reconciled_tokens`` (stored
+    in the model: ``PrefixTouch.set_capacity``) when a worker has reconciled it with the
+    engine; None for a cloud model (no cache of ours) or a prompt shorter than one block."""
     if spec.kind != "local":
         return None
     hashes, block_tokens = q.prefix_blocks()
     n = full_blocks(len(hashes), q.estimated_prompt_tokens(), block_tokens)
     if n <= 0:
         return None
-    capacity = spec.scheduler.kv_blocks * spec.scheduler.block_size_tokens
-    return PrefixTouch(instance_id, hashes[:n], block_tokens, capacity)
+    if reconciled_tokens is not None:
+        return PrefixTouch(instance_id, hashes[:n], block_tokens, reconciled_tokens, True)
+    return PrefixTouch(instance_id, hashes[:n], block_tokens, kv_cache_tokens(spec))
 
 
 class PrefixCacheState:
@@ -71,6 +82,7 @@ class PrefixCacheState:
                 )
             calls.append([*self.keys.prefix(t.instance_id), repr(float(t.capacity_tokens)),
                           repr(float(t.block_tokens)), int(KEEP_S * 1000),
+                          "1" if t.set_capacity else "0",
                           *(str(int(h)) for h in t.hashes)])  # fmt: skip
         for attempt in (0, 1):
             pipe = self._r.pipeline(transaction=False)

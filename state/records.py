@@ -127,9 +127,12 @@ class RouteIntent:
 @dataclass(frozen=True)
 class PrefixTouch:
     """Blocks of one query on one instance, and that instance's model capacity
-    (``state.prefix``)."""
+    (``state.prefix``). ``capacity_tokens`` is the configured one (the instance's KV cache),
+    used until a worker stores a reconciled one: a touch with ``set_capacity`` stores its
+    ``capacity_tokens`` in the model, and every later touch evicts down to that."""
 
     instance_id: str
     hashes: Sequence[int]
     block_tokens: float
     capacity_tokens: float
+    set_capacity: bool = False

@@ -45,6 +45,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+import numpy as np
+
+from routing.prefix import routed_hit_tokens
 from routing.types import Budget, InstanceView, Router
 from routing.window import (
     BUDGET_HOLD_S,
@@ -661,7 +664,8 @@ class RouterService:
         self._stage = "reserve"
         lost = await self._reserve(asked, decisions, money, blind)
         plan = settle(asked, [p.first_seen_s for p in asked], decisions, now, rules, lost, blind)
-        intents = self._emit_routed(plan.routed, money.period_ids, now, blind, out)
+        cached = self._predicted_cached(plan.routed, sight.views) if not blind else {}
+        intents = self._emit_routed(plan.routed, money.period_ids, now, blind, out, cached)
         self._emit_unplaced(admission, plan, money.period_ids, now, out)
         out.held.extend(carried(admission, plan))
         if intents and not blind:
@@ -670,6 +674,23 @@ class RouterService:
             if taken:
                 await self._drop_taken(taken, intents, out, candidates)
             await self._touch_prefixes(plan.routed, taken)
+
+    def _predicted_cached(
+        self, routed: Sequence[tuple[Pending, Decision]], views: Sequence[InstanceView]
+    ) -> dict[str, int]:
+        """Query id -> prompt tokens the prefix model of its local instance holds for it
+        (``routing.prefix.routed_hit_tokens`` on this window's snapshot; an instance without
+        a model yet holds nothing). Cloud instances are left out."""
+        held: dict[str, Any] = {}
+        for v in views:
+            if self.cluster.model_of(v.instance_id).kind == "local":
+                h = v.prefix_hashes
+                held[v.instance_id] = np.zeros(0, dtype=np.uint64) if h is None else h
+        local = [(p, d) for p, d in routed if str(d.instance_id) in held]
+        hits = routed_hit_tokens(
+            [p.query for p, _ in local], [str(d.instance_id) for _, d in local], held
+        )
+        return {p.query.id: h for (p, _), h in zip(local, hits, strict=True) if h is not None}
 
     async def _touch_prefixes(
         self, routed: Sequence[tuple[Pending, Decision]], taken: Mapping[str, str]
@@ -844,14 +865,19 @@ class RouterService:
         now: float,
         blind: bool,
         out: WindowOutput,
+        cached: Mapping[str, int] | None = None,
     ) -> dict[str, RouteIntent]:
-        """Stage 5: the route message and the Decision of each routed query; its intent."""
+        """Stage 5: the route message and the Decision of each routed query; its intent.
+        ``cached``: query id -> prompt tokens the prefix model predicts cached there
+        (``Decision.predicted_cached_tokens``, which the worker reconciles with the engine)."""
         intents: dict[str, RouteIntent] = {}
         counted: list[tuple[Decision, Query]] = []
         windows: dict[int, bytes] = {}  # each WindowStats' JSON, once (schemas.decision_bytes)
         for p, d in routed:
             q = p.query
             update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
+            if cached and q.id in cached:
+                update["predicted_cached_tokens"] = cached[q.id]
             if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
                 update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
             if p.rerouted_from is not None:

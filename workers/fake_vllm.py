@@ -3,8 +3,11 @@
 ``switchyard fake-vllm`` serves ``/v1/completions`` and ``/v1/chat/completions`` (streaming
 SSE and non-streaming), ``/v1/models``, ``/health`` and ``/metrics`` (vLLM's gauge names
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:gpu_cache_usage_perc``
-and token counters), with the simulated engine (``RealtimeEngine``) deciding when every
-token appears. Output lengths come from ``max_tokens`` or a seeded draw (``workers.synth``).
+and token counters, and the prefix-cache counters ``vllm:prefix_cache_queries_total`` /
+``_hits_total``), with the simulated engine (``RealtimeEngine``) deciding when every token
+appears. Prefix caching (on unless the scheduler config turns it off, like vLLM's
+``--enable-prefix-caching``): a prompt's text is cut into blocks as the router derives them
+(``schemas.prefix.text_block_hashes``), and the engine prefills only what its cache lacks. Output lengths come from ``max_tokens`` or a seeded draw (``workers.synth``).
 
 Used by the tests and the demo so that the ``vllm`` worker backend talks to a real HTTP
 server with vLLM's streaming behaviour: a first chat chunk carrying the role, one token per
@@ -28,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from schemas import SchedulerConfig
+from schemas.prefix import text_block_hashes, text_block_tokens
 from workers import synth
 from workers.realtime import RealtimeEngine, StreamEvent
 
@@ -114,6 +118,17 @@ class FakeVllm:
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefilled prompt tokens", labels, registry=self.registry
         )
+        # vLLM's prefix-cache counters (prompt tokens looked up / found cached), from the
+        # simulated engine's own prefix cache (the prompt text's blocks: schemas.prefix)
+        self._prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._prefix_seen = (0, 0)
         self._gen_tokens = Counter(
             "vllm:generation_tokens", "Generated tokens", labels, registry=self.registry
         )
@@ -169,6 +184,11 @@ class FakeVllm:
         self._running.labels(m).set(self.engine.n_running)
         self._waiting.labels(m).set(self.engine.n_waiting)
         self._kv.labels(m).set(self.engine.kv_usage())
+        cache = self.engine.engine.prefix_cache
+        q0, h0 = self._prefix_seen
+        self._prefix_queries.labels(m).inc(max(0, cache.queries - q0))
+        self._prefix_hits.labels(m).inc(max(0, cache.hits - h0))
+        self._prefix_seen = (cache.queries, cache.hits)
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
@@ -199,8 +219,13 @@ class FakeVllm:
             return _error(
                 500, "injected engine failure (fake-vllm error_rate)", "InternalServerError"
             )
-        prompt_tokens, n_out, max_tokens, seed_text, stream, include_usage = parsed
-        events = self.engine.submit(prompt_tokens, n_out, n_out)
+        prompt_tokens, n_out, max_tokens, seed_text, stream, include_usage, text = parsed
+        hashes: list[int] | None = None
+        block_tokens = 512.0
+        if self.engine.engine.sched.prefix_caching:
+            hashes = text_block_hashes(text)
+            block_tokens = text_block_tokens(len(text.encode("utf-8", "surrogatepass")), prompt_tokens)
+        events = self.engine.submit(prompt_tokens, n_out, n_out, None, hashes, block_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         finish_reason = "length" if max_tokens is not None and n_out >= max_tokens else "stop"
         if stream:
@@ -239,7 +264,7 @@ class FakeVllm:
 
     def _parse(
         self, body: dict[str, Any], chat: bool
-    ) -> tuple[int, int, int | None, str, bool, bool]:
+    ) -> tuple[int, int, int | None, str, bool, bool, str]:
         if chat:
             if "messages" not in body:
                 raise BadRequest("messages is required")
@@ -274,7 +299,7 @@ class FakeVllm:
                 f"requested {prompt_tokens + n_out} tokens ({prompt_tokens} in the messages, {n_out} in the "
                 "completion). Please reduce the length of the messages or completion."
             )
-        return prompt_tokens, n_out, max_tokens, seed_text, stream, include_usage
+        return prompt_tokens, n_out, max_tokens, seed_text, stream, include_usage, text
 
     async def _stream(
         self,

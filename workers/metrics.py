@@ -26,6 +26,21 @@ class WorkerMetrics:
             "switchyard_worker_engine_up",
             "1 while the engine answers its health probe (the instance heart-beats), else 0",
         ).labels(**lab)
+        self.engine_prefix_hit_rate = g(
+            "switchyard_worker_engine_prefix_hit_rate",
+            "The engine's own prefix-cache hit rate since it started (vLLM "
+            "prefix_cache_hits_total / prefix_cache_queries_total)",
+        ).labels(**lab)
+        self.model_prefix_hit_rate = g(
+            "switchyard_worker_model_prefix_hit_rate",
+            "The router's prefix model's predicted hit rate over the requests this worker "
+            "started (predicted cached prompt tokens / prompt tokens)",
+        ).labels(**lab)
+        self.prefix_capacity_tokens = g(
+            "switchyard_worker_prefix_capacity_tokens",
+            "Capacity of the instance's prefix-cache model (the KV cache, until reconciled "
+            "with the engine's counters)",
+        ).labels(**lab)
         self.queued = g(
             "switchyard_worker_queued", "Requests received, waiting for a backend slot"
         ).labels(**lab)

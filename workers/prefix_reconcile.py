@@ -5,8 +5,9 @@
 The worker feeds :class:`PrefixReconciler` each scrape of ``/metrics`` and the hit tokens the
 model predicted for the requests it served since; when enough evidence has gathered, it
 returns the model's new capacity (``schemas.prefix.reconciled_capacity``: the same rule the
-simulator applies), which the worker writes with its next touch (``state.prefix``).
-Not yet wired into the worker loop (issue 14, after issue 12's state split).
+simulator applies), which the worker writes with its next touch (``state.prefix``: ``PrefixTouch.set_capacity``).
+The worker (``workers.worker``) scrapes with each heartbeat (``EngineLoad.prefix_counters``)
+and feeds ``served`` as each request starts (the router's ``Decision.predicted_cached_tokens``).
 """
 
 from __future__ import annotations

@@ -162,15 +162,20 @@ class RealtimeEngine:
         output_tokens: int,
         predicted_output_tokens: int | None = None,
         request_id: str | None = None,
+        prefix_hashes: list[int] | None = None,
+        prefix_block_tokens: float = 512.0,
     ) -> AsyncIterator[StreamEvent]:
-        """Queue a request now; iterate the returned stream until its ``finished`` event."""
+        """Queue a request now; iterate the returned stream until its ``finished`` event.
+        ``prefix_hashes``: its prompt's block hashes for the engine's prefix cache (None: no
+        lookup, nothing cached)."""
         if self.failure is not None:
             raise RuntimeError(f"simulated engine stopped: {self.failure!r}")
         rid = request_id or uuid.uuid4().hex
         if rid in self._subs:
             raise ValueError(f"request id {rid!r} is already running on this engine")
         sub = _Sub(rid, prompt_tokens, output_tokens)
-        self.engine.submit(rid, self.vnow(), prompt_tokens, output_tokens, predicted_output_tokens)
+        self.engine.submit(rid, self.vnow(), prompt_tokens, output_tokens, predicted_output_tokens,
+                           prefix_hashes, prefix_block_tokens)  # fmt: skip
         self._subs[rid] = sub
         self._wake.set()
         return self._stream(sub)

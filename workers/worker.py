@@ -56,12 +56,19 @@ from routing.steptime import StepTimeModel
 from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
 from schemas.parse import BadMessage, Limits, parse_model
 from state import Starts, StateUnavailable, WorkerState, period_id
-from state.prefix import touch_of
+from state.prefix import kv_cache_tokens, touch_of
 from wiring import kafka_admin, kafka_records, topics
 from wiring.settings import Settings
-from workers.backends.base import Backend, EngineUnavailable, Generation, GenerationRequest
+from workers.backends.base import (
+    Backend,
+    EngineLoad,
+    EngineUnavailable,
+    Generation,
+    GenerationRequest,
+)
 from workers.metrics import WorkerMetrics, serve_metrics
 from workers.offsets import OffsetTracker
+from workers.prefix_reconcile import PrefixReconciler
 from workers.relay import RelayWriter
 from workers.steptime_feed import StepTimeFeed, StepTimeFeedConfig
 from workers.timings import MAX_STEPS_PER_MESSAGE, RequestTiming, StepBatch
@@ -244,6 +251,18 @@ class Worker:
         self._model_checked = False  # GET /v1/models named this instance's model
         self.step_feed = self._step_feed()
         self._refit_at = 0.0
+        # the prefix model against the engine's own counters (workers.prefix_reconcile):
+        # None for a cloud model; a capacity once reconciled, written with each touch
+        self.prefix_reconciler = (
+            PrefixReconciler(kv_cache_tokens(self.spec), kv_cache_tokens(self.spec))
+            if self.spec.kind == "local"
+            else None
+        )
+        self.prefix_capacity_tokens: float | None = None
+        self._prefix_predicted_tokens = 0.0  # predicted cached, over the requests started
+        self._prefix_prompt_tokens = 0.0
+        if self.prefix_reconciler is not None:
+            self.metrics.prefix_capacity_tokens.set(kv_cache_tokens(self.spec))
         self.counts = {
             "results": 0,
             "errors": 0,
@@ -670,6 +689,7 @@ class Worker:
                     running_before = self._running
                     self._running += 1
                     relay = self._relay(rq, attempt)
+                    self._prefix_started(rq, prompt_tokens)
                     try:
                         gen = await self._generate(rq, prompt_tokens, predicted, writer, relay)
                         if relay is not None:
@@ -693,7 +713,7 @@ class Worker:
                 self.metrics.duplicate_results.inc()
                 self.counts["duplicate_results"] += 1
             # its prefix blocks are the most recent in this instance's cache (state.prefix)
-            touch = touch_of(self.instance_id, q, self.spec)
+            touch = touch_of(self.instance_id, q, self.spec, self.prefix_capacity_tokens)
             if touch is not None:
                 await self._best_effort(self.state.prefix_touch_many([touch]))
             self._observe(result, gen)
@@ -1056,6 +1076,7 @@ class Worker:
             self._model_checked = True
         if self.step_feed is not None:
             self.step_feed.engine_counts(load.running, load.waiting)
+        self._prefix_scrape(load)
         if self._engine_lost:
             self._engine_lost = False
             self.metrics.engine_up.set(1)
@@ -1078,6 +1099,39 @@ class Worker:
             await self._best_effort(
                 self.state.residents_sync(self.instance_id, view, view_at=view_at)
             )
+
+    def _prefix_started(self, rq: RoutedQuery, prompt_tokens: int) -> None:
+        """The engine is about to look this request's prompt up in its prefix cache: what
+        the router's model predicted it holds (``Decision.predicted_cached_tokens``, none
+        when the router did not say) goes to the reconciler."""
+        if self.prefix_reconciler is None:
+            return
+        predicted = float(rq.decision.predicted_cached_tokens or 0)
+        self.prefix_reconciler.served(predicted)
+        self._prefix_predicted_tokens += predicted
+        self._prefix_prompt_tokens += max(0, prompt_tokens)
+        if self._prefix_prompt_tokens > 0:
+            self.metrics.model_prefix_hit_rate.set(
+                self._prefix_predicted_tokens / self._prefix_prompt_tokens
+            )
+
+    def _prefix_scrape(self, load: EngineLoad) -> None:
+        """One scrape of the engine's prefix-cache counters: its hit rate as a gauge, and
+        a new model capacity when the model's predictions and the engine disagree (stored
+        with this worker's next touch: ``state.prefix.touch_of``)."""
+        rec = self.prefix_reconciler
+        if rec is None or load.prefix_counters is None:
+            return
+        new = rec.scrape(load.prefix_counters)
+        if rec.engine_hit_rate is not None:
+            self.metrics.engine_prefix_hit_rate.set(rec.engine_hit_rate)
+        if new is not None:
+            log.info(
+                "worker %s: prefix model capacity %.0f -> %.0f tokens (engine hit counters)",
+                self.instance_id, self.prefix_capacity_tokens or rec.max_tokens, new,
+            )  # fmt: skip
+            self.prefix_capacity_tokens = new
+            self.metrics.prefix_capacity_tokens.set(new)
 
     async def _refit_step_time(self, force: bool = False) -> None:
         """Every ``step_time_refit_s``: refit Eq. 9 on the feed's window, show it in the

@@ -2,15 +2,24 @@
 -- same rules): the blocks of a query routed there, or finished there, become the most
 -- recent, in their order; the least recent go while the blocks' tokens exceed the capacity.
 -- KEYS[1] zset block hash -> recency (a counter)  KEYS[2] hash block hash -> tokens, plus
--- '#seq' (the counter) and '#total' (tokens held)
--- ARGV[1] capacity tokens  ARGV[2] tokens per block  ARGV[3] keep ms  ARGV[4..] block hashes
+-- '#seq' (the counter), '#total' (tokens held) and '#cap' (a capacity a worker reconciled
+-- with the engine's own hit counters; absent until then)
+-- ARGV[1] capacity tokens  ARGV[2] tokens per block  ARGV[3] keep ms  ARGV[4] '1': store
+-- ARGV[1] as the reconciled capacity, '0': the configured one, used only while none is stored
+-- ARGV[5..] block hashes
 local cap = tonumber(ARGV[1])
+if ARGV[4] == '1' then
+  redis.call('HSET', KEYS[2], '#cap', ARGV[1])
+else
+  local stored = redis.call('HGET', KEYS[2], '#cap')
+  if stored then cap = tonumber(stored) end
+end
 local bt = tonumber(ARGV[2])
-local n = #ARGV - 3
+local n = #ARGV - 4
 local seq = redis.call('HINCRBY', KEYS[2], '#seq', 1)
 local total = tonumber(redis.call('HGET', KEYS[2], '#total') or '0')
 for i = 1, n do
-  local h = ARGV[3 + i]
+  local h = ARGV[4 + i]
   local old = redis.call('HGET', KEYS[2], h)
   if old then total = total - tonumber(old) end
   redis.call('HSET', KEYS[2], h, ARGV[2])

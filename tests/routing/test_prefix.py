@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from routing.prefix import LruPrefixModel, WindowPrefixes, full_blocks, query_block_hashes
+from routing.prefix import (
+    LruPrefixModel,
+    WindowPrefixes,
+    full_blocks,
+    query_block_hashes,
+    routed_hit_tokens,
+)
 from routing.sfs import estimate_ttft_ms, standalone_ttft_ms
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState
@@ -69,6 +75,22 @@ def test_hits_are_leading_runs_capped_one_token_short() -> None:
     assert parent.tolist() == [-1, 0, -1, -1, 0]
     assert shared.tolist() == [0, 200, 0, 0, 249]
     assert full_blocks(4, 399, 100.0) == 3 and full_blocks(2, 1000, 100.0) == 2
+
+
+def test_routed_hits_count_the_snapshot_and_earlier_window_mates_on_the_same_instance() -> None:
+    def q(i: int, hashes: list[int]) -> Query:
+        return Query(id=f"q{i}", prompt="p", prompt_tokens=1000, prefix_hashes=hashes,
+                     prefix_block_tokens=100)  # fmt: skip
+
+    queries = [q(0, [1, 2, 3]), q(1, [1, 2, 3, 4, 5]), q(2, [1, 2, 3, 4, 5]), q(3, [1, 2])]
+    held = {"a": np.array([1, 2], dtype=np.uint64), "b": np.zeros(0, dtype=np.uint64)}
+    got = routed_hit_tokens(queries, ["a", "a", "b", "cloud"], held)
+    # q0: 2 blocks in a's snapshot; q1: q0 (sent to a before it) puts its 3 blocks there;
+    # q2 alone on an empty b; q3's instance has no model (a cloud one): unknown
+    assert got == [200, 300, 0, None]
+    # the same queries on one instance, in another order: the longer prompt first
+    got2 = routed_hit_tokens([queries[1], queries[0]], ["b", "b"], held)
+    assert got2 == [0, 300]
 
 
 def test_lru_model_keeps_the_most_recent_within_capacity() -> None:

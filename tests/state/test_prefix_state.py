@@ -46,6 +46,29 @@ async def test_redis_lru_equals_the_simulators_model(redis_url: str) -> None:
         await client.aclose()
 
 
+async def test_a_reconciled_capacity_binds_every_later_touch(redis_url: str) -> None:
+    """A worker's touch with ``set_capacity`` stores its capacity; the routers' touches,
+    which carry the configured (larger) one, then evict down to the stored one."""
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        state = PrefixCacheState(client, Keys("t" + uuid.uuid4().hex[:10]))
+        big = 8 * 512.0
+        await state.touch_many([PrefixTouch("a", [1, 2, 3, 4, 5, 6], 512.0, big)])
+        assert len((await state.cached_many(["a"]))["a"]) == 6  # configured: 8 blocks
+        # the worker reconciled it to 3 blocks: its touch evicts at once ...
+        evicted = await state.touch_many([PrefixTouch("a", [7], 512.0, 3 * 512.0, True)])
+        assert evicted == [4] and (await state.cached_many(["a"]))["a"] == [5, 6, 7]
+        # ... and a router's touch with the configured capacity keeps to the stored one
+        await state.touch_many([PrefixTouch("a", [8, 9], 512.0, big)])
+        assert (await state.cached_many(["a"]))["a"] == [7, 8, 9]
+        # the worker grows it back: later touches may hold more again
+        await state.touch_many([PrefixTouch("a", [10], 512.0, 5 * 512.0, True)])
+        await state.touch_many([PrefixTouch("a", [11], 512.0, big)])
+        assert (await state.cached_many(["a"]))["a"] == [7, 8, 9, 10, 11]
+    finally:
+        await client.aclose()
+
+
 async def test_the_router_snapshot_carries_each_instances_prefix_model(redis_url: str) -> None:
     """What a router touches (``StateStore.prefix_touch_many``) comes back, sorted, in the
     next snapshot it takes (the same pipelined call), and on to the router's views."""

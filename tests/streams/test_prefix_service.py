@@ -55,7 +55,12 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
             assert outcome.routed == 1 and unfinished == []
             copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
             mine = [RoutedQuery.model_validate_json(v) for _, v in copies]
-            where += [str(rq.decision.instance_id) for rq in mine if rq.query.id == f"{rid}-t{t}"]
+            this = [rq.decision for rq in mine if rq.query.id == f"{rid}-t{t}"]
+            where += [str(d.instance_id) for d in this]
+            # what the prefix model held there when it was routed (the worker reconciles it
+            # with the engine's counters): turn 1 finds turn 0's 4 blocks only where it went
+            again = t == 1 and where[0] == where[-1]
+            assert [d.predicted_cached_tokens for d in this] == [4 * 512 if again else 0]
             # the turn finished (what its worker reports): the next decision weighs the
             # prefix model alone, not a resident whose progress the snapshot ages by the clock
             await store.resident_done(where[-1], f"{rid}-t{t}")
@@ -92,9 +97,10 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
         outcome, _ = await svc.handle([Inbound(json.dumps(body).encode(), "queries", 0, 2)])
         assert outcome.routed == 1
         copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
-        went = [str(RoutedQuery.model_validate_json(v).decision.instance_id) for _, v in copies
-                if RoutedQuery.model_validate_json(v).query.id == f"{rid}-t2"]  # fmt: skip
-        assert went == [twin]
+        decided = [RoutedQuery.model_validate_json(v).decision for _, v in copies
+                   if RoutedQuery.model_validate_json(v).query.id == f"{rid}-t2"]  # fmt: skip
+        assert [str(d.instance_id) for d in decided] == [twin]
+        assert decided[0].predicted_cached_tokens == 512 * len(other)
     finally:
         await producer.stop()
         await store.close()

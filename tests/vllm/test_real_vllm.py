@@ -154,6 +154,48 @@ def test_openai_sdk_against_real_vllm(real_servers: ClusterConfig) -> None:
         )
 
 
+async def test_the_worker_reads_real_vllms_prefix_counters(real_servers: ClusterConfig) -> None:
+    """Issue 14 item 3 on the real engine: a turn that extends the previous one's prompt is
+    a prefix hit on the server with prefix caching on (``wide-0``), none on the one with it
+    off (``narrow-0``); ``VllmBackend.engine_load`` reads the counters the worker's
+    ``PrefixReconciler`` takes, and the reconciler reports the engine's hit rate."""
+    from schemas import Query
+    from workers.backends.base import GenerationRequest
+    from workers.backends.vllm import VllmBackend, VllmConfig
+    from workers.prefix_reconcile import PrefixReconciler
+
+    rng = random.Random(14)
+    first = f"[{uuid.uuid4().hex}] " + _prompt(rng, 300)  # ~400 tokens: 3 whole 128-token blocks
+    second = first + " " + _prompt(rng, 60)
+    for inst in real_servers.instances:
+        spec = real_servers.model(inst.model)
+        be = VllmBackend(VllmConfig(endpoint=str(inst.endpoint), model=spec.name))
+        await be.start()
+        try:
+            before = (await be.engine_load()).prefix_counters
+            if before is None:  # an engine may leave the counters out with caching off
+                assert not spec.scheduler.prefix_caching, f"{inst.id}: no vllm:prefix_cache_*"
+                continue
+            rec = PrefixReconciler(1e6, 1e6)
+            rec.scrape(before)
+            for i, text in enumerate((first, second)):
+                q = Query(id=f"px{i}", prompt=text, max_tokens=2)
+                gen = await be.generate(GenerationRequest(q, uuid.uuid4().hex, 400, 2),
+                                        lambda p, d: None)  # fmt: skip
+                assert gen.error is None, gen.error
+            after = (await be.engine_load()).prefix_counters
+            assert after is not None
+            hits = after[1] - before[1]
+            rec.scrape(after)
+            if spec.scheduler.prefix_caching:
+                assert after[0] > before[0] and hits >= 3 * 128, (before, after)
+                assert rec.engine_hit_rate is not None and rec.engine_hit_rate > 0
+            else:
+                assert hits == 0, (before, after)
+        finally:
+            await be.close()
+
+
 def test_servers_run_their_engines_on_separate_cores(
     real_servers: ClusterConfig, vllm_home: Path
 ) -> None:

@@ -61,6 +61,9 @@ class EngineLoad:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
+    # vLLM's prefix-cache counters (prompt tokens looked up, found cached; since the engine
+    # started): ``workers.prefix_reconcile``; None when the engine does not export them
+    prefix_counters: tuple[float, float] | None = None
     answering: bool = True
     problem: str | None = None  # why it is not answering
 

@@ -30,6 +30,7 @@ from workers.backends.base import (
     ProgressFn,
     TextFn,
 )
+from workers.prefix_reconcile import parse_prefix_counters
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ def request_body(
 
 
 def parse_engine_load(text: str) -> EngineLoad:
-    """Running and waiting requests from vLLM's Prometheus text (summed over label sets)."""
+    """Running and waiting requests, KV usage and the prefix-cache counters from vLLM's
+    Prometheus text (summed over label sets)."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         m = _METRIC.match(line.strip())
@@ -141,6 +143,7 @@ def parse_engine_load(text: str) -> EngineLoad:
         running=None if running is None else int(running),
         waiting=None if waiting is None else int(waiting),
         kv_usage=None if kv is None else min(1.0, max(0.0, kv)),
+        prefix_counters=parse_prefix_counters(text),
     )
 
 
