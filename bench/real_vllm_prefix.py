@@ -53,10 +53,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loaders.predictor import load_predictor  # noqa: E402
+from loaders.profiles import profiles_for  # noqa: E402
 from offline.predictor import ensure_default_predictor  # noqa: E402
 from routing.policies import RouterContext, make_router  # noqa: E402
 from routing.prefix import LruPrefixModel, routed_hit_tokens  # noqa: E402
-from routing.quality import load_predictor  # noqa: E402
 from routing.types import Budget, InstanceState, InstanceView, Router  # noqa: E402
 from schemas import ClusterConfig, DecisionStatus, Query  # noqa: E402
 from schemas.cluster import ModelSpec  # noqa: E402
@@ -351,7 +352,7 @@ def main() -> None:
     if args.fake:
         for name, aware in policies:
             ctx = RouterContext.build(cluster, quality, length=getattr(quality, "length", None),
-                                      prefix_aware=aware)  # fmt: skip
+                                      prefix_aware=aware, profiles=profiles_for(cluster))  # fmt: skip
             run = asyncio.run(run_on_fake(name, make_router("batch-ilp-sfs", ctx), cluster, args))
             result["runs"].append(run)
             print(json.dumps(run), flush=True)
@@ -364,7 +365,7 @@ def main() -> None:
         live = vllm_servers.with_endpoints(cluster, records)
         for name, aware in policies:
             ctx = RouterContext.build(live, quality, length=getattr(quality, "length", None),
-                                      prefix_aware=aware)  # fmt: skip
+                                      prefix_aware=aware, profiles=profiles_for(live))  # fmt: skip
             run = asyncio.run(run_policy(name, make_router("batch-ilp-sfs", ctx), live, addresses, args))
             result["runs"].append(run)
             print(json.dumps(run), flush=True)
