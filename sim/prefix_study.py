@@ -288,20 +288,53 @@ def reuse_reference(w: Workload, cluster: ClusterConfig) -> dict[str, float]:
     }
 
 
-def summary_row(workload: str, label: str, res: EvalResult) -> dict[str, Any]:
+def parents(w: Workload) -> IntArray:
+    """Per query, the latest earlier query holding the longest leading run of its block
+    hashes (the turn it continues; -1: none). An offline figure: a loop per block."""
+    if w.prefix_hashes is None:
+        raise ValueError(f"workload {w.name!r} carries no prefix hashes")
+    owner: dict[int, int] = {}
+    out = np.full(w.n, -1, dtype=np.int64)
+    for i, hashes in enumerate(w.prefix_hashes):
+        hs = [int(h) for h in hashes.tolist()]
+        run = 0
+        while run < len(hs) and hs[run] in owner:
+            run += 1
+        if run:
+            out[i] = owner[hs[run - 1]]
+        for h in hs:
+            owner[h] = i
+    return out
+
+
+def on_parent_instance(res: EvalResult, parent: IntArray) -> float:
+    """Share of the served queries that continue an earlier served one (``parents``) that
+    went to the instance that served it: where its prefix was computed."""
+    p = np.maximum(parent, 0)
+    follow = (parent >= 0) & res.served & res.served[p]
+    if not follow.any():
+        return float("nan")
+    return float((res.instance[follow] == res.instance[p[follow]]).mean())
+
+
+METRICS = (
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "slo_attainment",
+    "ontime_utility",
+    "mean_quality",
+    "cache_hit_rate",
+    "on_parent_instance",
+)
+
+
+def summary_row(workload: str, label: str, res: EvalResult, parent: IntArray) -> dict[str, Any]:
     s = res.summary()
-    return {
-        "workload": workload,
-        "policy": label,
-        "queries": s["queries"],
-        "ttft_p50_ms": s["ttft_p50_ms"],
-        "ttft_p99_ms": s["ttft_p99_ms"],
-        "slo_attainment": s["slo_attainment"],
-        "ontime_utility": s["ontime_utility"],
-        "mean_quality": s["mean_quality"],
-        "cache_hit_rate": s["cache_hit_rate"],
-        "decide_p50_ms": s["decide_p50_ms"],
-    }
+    row: dict[str, Any] = {"workload": workload, "policy": label, "queries": s["queries"]}
+    row.update({k: s[k] for k in METRICS if k in s})
+    row["on_parent_instance"] = on_parent_instance(res, parent)
+    row["decide_p50_ms"] = s["decide_p50_ms"]
+    return row
 
 
 COLUMNS = [
@@ -314,8 +347,26 @@ COLUMNS = [
     ("ontime_utility", "OnTimeUtility"),
     ("mean_quality", "quality"),
     ("cache_hit_rate", "cache hit rate"),
+    ("on_parent_instance", "on parent's instance"),
     ("decide_p50_ms", "decide p50 ms"),
 ]
+
+
+def mean_sd(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, policy), each metric's mean and standard deviation over the rows'
+    seeds (``<metric>`` the mean, ``<metric>_sd`` the sample sd, 0 for one seed)."""
+    out: list[dict[str, Any]] = []
+    keys = list(dict.fromkeys((r["workload"], r["policy"]) for r in rows))
+    for wl, pol in keys:
+        group = [r for r in rows if r["workload"] == wl and r["policy"] == pol]
+        agg: dict[str, Any] = {"workload": wl, "policy": pol, "seeds": len(group),
+                               "queries": group[0]["queries"]}  # fmt: skip
+        for k in (*METRICS, "decide_p50_ms"):
+            v = np.array([float(r[k]) for r in group])
+            agg[k] = float(v.mean())
+            agg[k + "_sd"] = float(v.std(ddof=1)) if v.size > 1 else 0.0
+        out.append(agg)
+    return out
 
 
 def run_policies(
@@ -328,17 +379,19 @@ def run_policies(
 ) -> list[dict[str, Any]]:
     """Every policy of :data:`POLICIES` over ``workload``, each on a fresh cluster."""
     rows = []
+    parent = parents(workload)
     for label, name, aware in POLICIES:
         t0 = time.perf_counter()
         res = evaluate(make(name, aware), cluster_of(), workload, config)
-        rows.append(summary_row(workload_name, label, res))
+        rows.append(summary_row(workload_name, label, res, parent))
         if progress is not None:
             progress(f"{workload_name} {label}: {time.perf_counter() - t0:.0f} s")
     return rows
 
 
 def versus(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per workload, the prefix-aware policy against the targets' references."""
+    """Per workload, the prefix-aware policy against the targets' references (one seed's
+    rows, or :func:`mean_sd`'s means)."""
     out: dict[str, dict[str, float]] = {}
     for wl in dict.fromkeys(r["workload"] for r in rows):
         by = {r["policy"]: r for r in rows if r["workload"] == wl}
@@ -351,6 +404,17 @@ def versus(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "slo_attainment_minus_agnostic": aware["slo_attainment"] - blind["slo_attainment"],
             "ontime_utility_minus_affinity": aware["ontime_utility"] - aff["ontime_utility"],
         }
+    return out
+
+
+def versus_over_seeds(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """:func:`versus` per seed (rows carry ``seed``): per workload and figure, one value a
+    seed, in seed order."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for seed in dict.fromkeys(r["seed"] for r in rows):
+        for wl, figs in versus([r for r in rows if r["seed"] == seed]).items():
+            for k, v in figs.items():
+                out.setdefault(wl, {}).setdefault(k, []).append(v)
     return out
 
 

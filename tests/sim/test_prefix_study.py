@@ -117,3 +117,34 @@ def test_reuse_reference_counts_what_an_unbounded_and_a_sticky_lru_cache_find() 
     # 8 5 4 -> 1 8 5 4 | turn 5 finds 4 5 8
     assert ref["unbounded_hit_rate"] == (32 + 32 + 48) / total
     assert ref["sticky_lru_hit_rate"] == (16 + 16 + 48) / total
+
+
+def test_parents_name_the_turn_each_query_continues() -> None:
+    chains = [[1, 2], [5], [1, 2, 3], [1, 9], [1, 2, 3, 4], []]
+    n = len(chains)
+    w = Workload(np.arange(n, dtype=np.float64), np.zeros(n, dtype=np.int64),
+                 np.full(n, 100), np.zeros((n, 1)), np.zeros((n, 1)), np.full(n, 1e3),
+                 [""] * n, [""] * n, ["m"],
+                 prefix_hashes=[np.array(c, dtype=np.uint64) for c in chains],
+                 prefix_block_tokens=16)  # fmt: skip
+    parent = ps.parents(w)
+    # [1, 9] shares block 1 with the latest query holding it (2); [1, 2, 3, 4] continues 2
+    assert parent.tolist() == [-1, -1, 0, 2, 2, -1]
+
+
+def test_mean_sd_over_seeds_and_versus_per_seed() -> None:
+    def row(seed: int, policy: str, p50: float) -> dict[str, object]:
+        base = {k: 0.5 for k in ps.METRICS}
+        return {**base, "workload": "w", "policy": policy, "queries": 10, "seed": seed,
+                "ttft_p50_ms": p50, "decide_p50_ms": 1.0}  # fmt: skip
+
+    labels = [p[0] for p in ps.POLICIES]
+    rows = [row(s, lab, p50) for s, p50s in ((0, (60, 100, 50, 70)), (1, (80, 100, 50, 70)))
+            for lab, p50 in zip(labels, p50s, strict=True)]  # fmt: skip
+    means = ps.mean_sd(rows)
+    aware = next(r for r in means if r["policy"] == labels[0])
+    assert aware["ttft_p50_ms"] == 70.0 and aware["ttft_p50_ms_sd"] == pytest.approx(14.142, abs=1e-3)
+    assert aware["seeds"] == 2 and aware["ontime_utility_sd"] == 0.0
+    per_seed = ps.versus_over_seeds(rows)["w"]["ttft_p50_reduction_vs_agnostic"]
+    assert per_seed == pytest.approx([0.4, 0.2])
+    assert ps.versus(means)["w"]["ttft_p50_reduction_vs_agnostic"] == pytest.approx(0.3)
