@@ -677,7 +677,7 @@ async def core(
     from offline.blas import limit_blas_threads
     from schemas import ClusterConfig
     from state import StateStore, period_id
-    from streams.app import BatchSink
+    from streams.app import BatchSink, quiet_gc
     from streams.policy import load_router
     from streams.service import Inbound, RouterConfig, RouterService
 
@@ -724,6 +724,7 @@ async def core(
     split = _Split()
     split.wrap(svc, router)
     await svc.handle(batches[0])  # warm-up (imports, script loading, metadata)
+    quiet_gc()  # as the router does once its service is built (streams.app)
     split.reset()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     for b in batches[1:]:
