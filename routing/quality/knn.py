@@ -19,6 +19,7 @@ block changes its rounding, as on an AMD EPYC with OpenBLAS 0.3.31), which is wh
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -71,20 +72,29 @@ def _smallest_k_sorted(a: Float32Array, k: int) -> npt.NDArray[np.int64]:
     return np.argsort(a, axis=1, kind="stable")[:, :k].astype(np.int64)
 
 
-def block_similarity(z: Float32Array, ZT: Float32Array) -> Float32Array:
-    """``z @ ZT`` computed ``SIM_BLOCK_ROWS`` rows at a time: row ``i`` of the result does not
-    depend on the other rows of ``z`` (module docstring)."""
+def similarity_blocks(z: Float32Array, ZT: Float32Array) -> Iterator[tuple[int, Float32Array]]:
+    """``z @ ZT`` in ``SIM_BLOCK_ROWS``-row products (the last one zero-padded): yields each
+    block's first row and its rows of the product. Row ``i`` does not depend on the other
+    rows of ``z`` (module docstring). The yielded array is reused for the next block."""
     n = z.shape[0]
-    out: Float32Array = np.empty((n, ZT.shape[1]), dtype=np.float32)
+    out: Float32Array = np.empty((SIM_BLOCK_ROWS, ZT.shape[1]), dtype=np.float32)
     block = np.zeros((SIM_BLOCK_ROWS, z.shape[1]), dtype=np.float32)
     for start in range(0, n, SIM_BLOCK_ROWS):
         rows = min(SIM_BLOCK_ROWS, n - start)
         if rows == SIM_BLOCK_ROWS:
-            np.matmul(z[start : start + rows], ZT, out=out[start : start + rows])
+            np.matmul(z[start : start + rows], ZT, out=out)
         else:
             block[:rows] = z[start : start + rows]
             block[rows:] = 0.0
-            out[start : start + rows] = (block @ ZT)[:rows]
+            np.matmul(block, ZT, out=out)
+        yield start, out[:rows]
+
+
+def block_similarity(z: Float32Array, ZT: Float32Array) -> Float32Array:
+    """``z @ ZT`` computed ``SIM_BLOCK_ROWS`` rows at a time (``similarity_blocks``)."""
+    out: Float32Array = np.empty((z.shape[0], ZT.shape[1]), dtype=np.float32)
+    for start, sim in similarity_blocks(z, ZT):
+        out[start : start + len(sim)] = sim
     return out
 
 
@@ -140,11 +150,16 @@ class KNNEstimator:
         z = self._z(X)
         if self._ZT is None:
             self._ZT = np.ascontiguousarray(self.Z.T)
-        neg = block_similarity(z, self._ZT)  # [n, n_train], negated in place below
-        np.negative(neg, out=neg)
-        k = min(self.k, neg.shape[1])
-        idx = smallest_k(neg, k)
-        s = np.maximum(-np.take_along_axis(neg, idx, axis=1), 0.0) + 1e-3  # [n, k]
+        n, k = len(z), min(self.k, self._ZT.shape[1])
+        idx = np.empty((n, k), dtype=np.int64)
+        s = np.empty((n, k), dtype=np.float32)
+        # the neighbours of each block of rows while its similarities are in cache
+        for start, sim in similarity_blocks(z, self._ZT):
+            np.negative(sim, out=sim)
+            got = smallest_k(sim, k)
+            idx[start : start + len(got)] = got
+            s[start : start + len(got)] = -np.take_along_axis(sim, got, axis=1)
+        s = np.maximum(s, 0.0) + 1e-3  # [n, k]
         w = self.W[:, idx] * s[None]  # [B, n, k]
         ym = self.Y[idx] * self.M[idx]  # [n, k, m]
         mk = self.M[idx]
