@@ -544,6 +544,27 @@ async def drain_once(
     return out
 
 
+async def _grow_queries(bootstrap: str, partitions: int) -> None:
+    """``queries`` with at least ``partitions`` partitions (a broker kept warm across runs
+    of several partition counts: a fresh broker runs its first minutes slowly)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        meta = await admin.describe_topics([topics.QUERIES])
+        have = len(meta[0]["partitions"])
+        if have > partitions:
+            raise SystemExit(
+                f"bench: {topics.QUERIES} has {have} partitions, more than --partitions "
+                f"{partitions}; use a fresh broker (unset SWITCHYARD_KAFKA)"
+            )
+        if have < partitions:
+            await admin.create_partitions({topics.QUERIES: NewPartitions(total_count=partitions)})
+    finally:
+        await admin.close()
+
+
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     await consumer._client.force_metadata_update()  # noqa: SLF001 - a topic just created
     return consumer.partitions_for_topic(topic) or set()
@@ -569,6 +590,14 @@ async def drain(
         await kafka_admin.ensure_topics(
             {"bootstrap_servers": bootstrap}, [topics.QUERIES, *routes], args.partitions
         )
+        await _grow_queries(bootstrap, args.partitions)
+        if args.drain_warmup:  # a broker just started runs its first minute slowly (JIT)
+            ids = [f"{rid}-warmup-{i}" for i in range(args.drain_warmup)]
+            args.routers = 1
+            await drain_once(
+                args, bootstrap, redis_url, procs, cluster_file, policy_args,
+                f"router-{rid}-warmup", ids, routes,
+            )  # fmt: skip
         for k in range(args.drain_runs):
             for n in counts:
                 args.routers = n
@@ -801,6 +830,9 @@ def main() -> int:
         help="N queries produced while the routers are stopped, then drained: their own rate",
     )
     ap.add_argument("--drain-runs", type=int, default=3, help="--drain: runs of each router count")
+    ap.add_argument(
+        "--drain-warmup", type=int, default=0, help="--drain: queries of an untimed drain first"
+    )
     ap.add_argument(
         "--routers-list", default="", help="--drain: router counts to run in turn, e.g. 1,2,3"
     )
