@@ -97,8 +97,19 @@ def _one_seed(
     length = CachedLength(st.predictor.length, st.data.texts, st.data.prompt_tokens)
 
     def make(name: str, aware: bool) -> Router:
+        # --delta: paper A's latency weight for both batch-ilp-sfs rows (None: its default)
+        knobs = {}
+        if inputs.delta is not None and name == "batch-ilp-sfs":
+            knobs["delta"] = inputs.delta
         return make_policy(
-            name, st.cluster, st.quality, UTILITY_LAMBDA, length, aware, profiles=st.profiles
+            name,
+            st.cluster,
+            st.quality,
+            UTILITY_LAMBDA,
+            length,
+            aware,
+            profiles=st.profiles,
+            **knobs,
         )
 
     def fresh() -> SimCluster:
