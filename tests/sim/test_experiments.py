@@ -212,3 +212,28 @@ def test_oracle_affine_is_the_per_model_least_squares_line() -> None:
     np.testing.assert_allclose(oracle_affine(mean, y), y, atol=1e-9)
     flat = np.full((10, 1), 0.3)
     np.testing.assert_array_equal(oracle_affine(flat, rng.random((10, 1))), flat)
+
+
+def test_oracle_quality_returns_each_texts_realised_scores_averaged_over_duplicates() -> None:
+    from routing.datasets import RoutingData
+
+    scores = np.array([[1.0, 0.0], [0.0, np.nan], [0.5, 1.0]])
+    data = RoutingData(
+        query_ids=["a", "b", "c"],
+        tasks=["t", "t", "t"],
+        texts=["x", "x", "y"],
+        models=["m0", "m1"],
+        scores=scores,
+        input_usd_per_token=np.zeros(2),
+        output_usd_per_token=np.zeros(2),
+        prompt_tokens=np.ones(3, dtype=np.int64),
+        output_tokens=np.ones((3, 2)),
+        cost_usd=np.zeros((3, 2)),
+    )
+    oracle = ex.OracleQuality(data)
+    est = oracle.predict(["y", "x"])
+    np.testing.assert_allclose(est.mean, [[0.5, 1.0], [0.5, 0.0]])  # nan counts as 0
+    np.testing.assert_array_equal(est.lower, est.mean)
+    assert (est.std == 0).all()
+    with pytest.raises(ex.ExperimentError, match="no score for 1 text"):
+        oracle.predict(["z"])
