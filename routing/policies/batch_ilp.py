@@ -14,13 +14,6 @@ is left of its SLO). ``ttft_margin`` m is a calibrated multiplier on the predict
 (``routing.sfs_margin``: a high quantile of observed/predicted TTFT): the constraint is
 on that quantile rather than on the point estimate, so SFS's errors under load do not
 turn "just meets the SLO" into a miss.
-
-The stand-alone L̂_ij ignores the other queries of the window that go to j first; a
-per-query policy (``latency-aware``) sees them. So in windows of at most
-``reprice_max_queries`` queries with δ > 0, the ILP is solved a second time with L̂_ij the
-TTFT of i behind the earlier queries the first solution sends to j (``insertion_ttft``,
-only for the pairs that could win), and the solution whose own in-order estimate of
-OnTimeUtility − δ·L̂/τ is higher is kept.
 """
 
 from __future__ import annotations
@@ -32,12 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from routing.ilp import BatchProblem, Method, Solution, WarmStart, solve
-from routing.ilp.ttft_cuts import (
-    InOrderTtft,
-    TtftLoopResult,
-    prune_by_standalone,
-    solve_with_ttft_cuts,
-)
+from routing.ilp.ttft_cuts import prune_by_standalone, solve_with_ttft_cuts
 from routing.policies.common import (
     Outcome,
     Window,
@@ -71,7 +59,6 @@ class BatchIlpRouter:
         robust: bool | None = None,
         delta: float | None = None,
         ttft_margin: float = 1.0,
-        reprice_max_queries: int = 32,
     ) -> None:
         if not math.isfinite(gap_tol) or gap_tol < 0:
             raise ValueError(f"gap_tol must be a finite number >= 0, got {gap_tol}")
@@ -86,9 +73,6 @@ class BatchIlpRouter:
             raise ValueError(f"{self.name} has no TTFT estimate: delta needs batch-ilp-sfs")
         if not math.isfinite(ttft_margin) or ttft_margin <= 0:
             raise ValueError(f"ttft_margin must be a finite number > 0, got {ttft_margin}")
-        if reprice_max_queries < 0:
-            raise ValueError(f"reprice_max_queries must be >= 0, got {reprice_max_queries}")
-        self.reprice_max_queries = reprice_max_queries
         self.delta = delta
         self.ttft_margin = ttft_margin
         self.ctx = ctx
@@ -173,30 +157,16 @@ class BatchIlpRouter:
                     win.column_prefix(k, rows),
                 )
 
-            def with_cuts(p: BatchProblem, none: np.ndarray) -> TtftLoopResult:
-                return solve_with_ttft_cuts(
-                    p,
-                    lambda q: self._solve(q, deadline),
-                    in_order,
-                    slo_check_ms,
-                    ~win.estimate,
-                    none,
-                    standalone,
-                    self.max_ttft_rounds,
-                )
-
-            res = with_cuts(problem, flagged)
-            if self.delta > 0 and 1 < win.n <= self.reprice_max_queries:
-                # paper A's δ·L̂/τ with L̂ behind the queries the first solution puts ahead
-                # on each instance (what latency-aware sees), kept where it scores better
-                need = self._may_move(win, utility, candidate, standalone, res)
-                if need.any():
-                    behind = insertion_ttft(
-                        standalone, res.solution.assignment, res.ttft_ms, need, in_order
-                    )
-                    again = with_cuts(*problem_of(behind))
-                    if self._value(win, utility, again) > self._value(win, utility, res):
-                        res = again
+            res = solve_with_ttft_cuts(
+                problem,
+                lambda p: self._solve(p, deadline),
+                in_order,
+                slo_check_ms,
+                ~win.estimate,
+                flagged,
+                standalone,
+                self.max_ttft_rounds,
+            )
             sol, problem, flagged, still, ttft, rounds = (
                 res.solution,
                 res.problem,
@@ -221,43 +191,6 @@ class BatchIlpRouter:
         if over.any() and (self.use_sfs or self.ctx.report_ttft):
             out.ttft_ms = predict_ttft_in_order(self.ctx, win, out.assignment)
         return decisions(self.name, win, out, budget, now, self.robust)
-
-    def _may_move(
-        self,
-        win: Window,
-        utility: np.ndarray,
-        candidate: np.ndarray,
-        standalone: np.ndarray,
-        res: TtftLoopResult,
-    ) -> np.ndarray:
-        """``[n, k]``: pairs worth re-pricing — another candidate instance whose score at
-        its stand-alone TTFT (an upper bound on its score) beats the score of the query's
-        own instance at its in-order TTFT. Re-pricing can only lower the other pairs'
-        scores, so no other pair can overtake."""
-        x = res.solution.assignment
-        placed = np.flatnonzero(x >= 0)
-        optimistic = utility - latency_penalty(standalone, win.slo_ms, self.delta)
-        own = np.full(win.n, np.inf)
-        t = res.ttft_ms[placed]
-        own[placed] = (
-            utility[placed, x[placed]]
-            - latency_penalty(t[:, None], win.slo_ms[placed], self.delta)[:, 0]
-        )
-        need: np.ndarray = candidate & (optimistic > own[:, None])
-        need[placed, x[placed]] = False
-        return need
-
-    def _value(self, win: Window, utility: np.ndarray, res: TtftLoopResult) -> tuple[int, float]:
-        """What a solution is worth by its own estimates: the queries it places (a held
-        query waits), then OnTimeUtility (a query predicted late keeps only a negative
-        utility) less paper A's δ·L̂/τ on the in-order TTFT."""
-        x = res.solution.assignment
-        rows = np.flatnonzero(x >= 0)
-        u = utility[rows, x[rows]]
-        t = res.ttft_ms[rows]
-        on_time = ~(t > win.slo_ms[rows])  # nan (unchecked) counts as on time
-        pen = latency_penalty(t[:, None], win.slo_ms[rows], self.delta)[:, 0]
-        return rows.size, float(np.where(on_time, u, np.minimum(u, 0.0)).sum() - pen.sum())
 
     def _standalone(self, win: Window, candidate: np.ndarray) -> np.ndarray:
         """Stand-alone SFS TTFT of every candidate pair with its cache hits (inf where a
@@ -361,29 +294,6 @@ def latency_penalty(ttft_ms: np.ndarray, slo_ms: np.ndarray, delta: float) -> np
     tau = np.maximum(slo_ms, 1e-9)[:, None]
     ratio = np.minimum(np.nan_to_num(ttft_ms, nan=10.0, posinf=1e12) / tau, 10.0)
     out: np.ndarray = delta * ratio
-    return out
-
-
-def insertion_ttft(
-    standalone_ms: np.ndarray,
-    assignment: np.ndarray,
-    ttft_ms: np.ndarray,
-    need: np.ndarray,
-    in_order: InOrderTtft,
-) -> np.ndarray:
-    """``[n, k]``: SFS TTFT of query i on instance j behind the earlier queries of the
-    window (rows are in arrival order) that ``assignment`` sends to j. A query's own
-    column gets its in-order TTFT ``ttft_ms``; the other pairs in ``need`` are simulated;
-    the rest keep their stand-alone TTFT (a lower bound)."""
-    out = standalone_ms.copy()
-    placed = np.flatnonzero(assignment >= 0)
-    out[placed, assignment[placed]] = ttft_ms[placed]
-    for k in np.flatnonzero(need.any(axis=0)).tolist():
-        assigned = np.flatnonzero(assignment == k)
-        for i in np.flatnonzero(need[:, k]).tolist():
-            ahead = assigned[assigned < i]
-            if ahead.size:
-                out[i, k] = float(in_order(k, np.append(ahead, i))[-1])
     return out
 
 

@@ -77,33 +77,3 @@ def test_ttft_margin_known_quantile() -> None:
         ttft_margin(pred, obs, 1.0)
     with pytest.raises(ValueError, match="differ in shape"):
         ttft_margin(pred, obs[:5])
-
-
-def test_second_solve_prices_the_queue_the_window_itself_builds() -> None:
-    # two 500-token queries, a large instance (0.6 ms/token, quality 0.9) and a medium one
-    # (0.2 ms/token, 0.7), SLO 1000 ms, δ = 0.6. Stand-alone the large one costs 300 ms of
-    # TTFT for either query (score 0.9 − 0.18 > 0.7 − 0.06), so one ILP sends both there;
-    # behind the other, the second query waits 600 ms (0.9 − 0.36 < 0.64): the second solve
-    # splits them, as latency-aware does query by query.
-    vs = views([0, 0, 0, 0], [0, 8, 8, 0])
-    qs = queries([500, 500], slo_ms=1000.0)
-    budget = Budget(window_usd=1.0)
-    once = make_router(
-        "batch-ilp-sfs", context(), delta=0.6, robust=False, reprice_max_queries=0
-    ).decide(qs, vs, budget, 0.0)
-    assert [d.instance_id for d in once] == ["l0", "l0"]
-    assert [d.predicted_ttft_ms for d in once] == pytest.approx([300.0, 600.0])
-    twice = make_router("batch-ilp-sfs", context(), delta=0.6, robust=False).decide(
-        qs, vs, budget, 0.0
-    )
-    assert sorted(d.instance_id or "" for d in twice) == ["l0", "m0"]
-    assert max(d.predicted_ttft_ms or 0.0 for d in twice) == pytest.approx(300.0)
-    la = make_router("latency-aware", context(), delta=0.6).decide(qs, vs, budget, 0.0)
-    assert sorted(d.instance_id or "" for d in la) == ["l0", "m0"]
-    # with δ = 0.1 the queue is worth waiting in (0.9 − 0.06 > 0.7 − 0.01): both stay
-    calm = make_router("batch-ilp-sfs", context(), delta=0.1, robust=False).decide(
-        qs, vs, budget, 0.0
-    )
-    assert [d.instance_id for d in calm] == ["l0", "l0"]
-    with pytest.raises(ValueError, match="reprice_max_queries must be >= 0"):
-        make_router("batch-ilp-sfs", context(), reprice_max_queries=-1)
