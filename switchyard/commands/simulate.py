@@ -7,6 +7,7 @@ inputs and prints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -241,6 +242,11 @@ def register(app: typer.Typer) -> None:
                 utility_lambda=utility_lambda,
                 shed_backlog=shed_backlog,
                 shed_after_slo=shed_after_slo,
+            )
+            console.print(
+                "window config: "
+                + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(ecfg).items()),
+                highlight=False,
             )
             options = parse_options(policy_opt)
             for p in policy:
