@@ -35,13 +35,13 @@ quality predictor, SLO draws and ShareGPT sample; the table gives mean ± sd ove
 def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> ExperimentResult:
     """Prefix-aware vs prefix-agnostic batch-ilp-sfs vs prefix-affinity vs shortest-queue on
     the Mooncake trace and on ShareGPT conversations (``sim.prefix_study``), over
-    :data:`PREFIX_SEEDS` seeds (one when quick)."""
+    ``inputs.seeds`` seeds (default :data:`PREFIX_SEEDS`, one when quick)."""
     from sim import prefix_study as ps
 
     t0 = time.perf_counter()
     if inputs.trace_path is None:
         raise ExperimentError("prefix: needs the Mooncake trace (--trace mooncake)")
-    n_seeds = 1 if inputs.quick else PREFIX_SEEDS
+    n_seeds = inputs.seeds or (1 if inputs.quick else PREFIX_SEEDS)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     reference: dict[str, dict[str, list[float]]] = {}
