@@ -358,7 +358,11 @@ def register(app: typer.Typer) -> None:
         ),
         quick: bool = typer.Option(False, help="A small, fast run"),
         delta: float = typer.Option(
-            None, help="ontime: δ of latency-aware (default: the policy's own)"
+            None,
+            help="ontime: δ of latency-aware and batch-ilp-sfs (default: each policy's own)",
+        ),
+        seeds: int = typer.Option(
+            None, help="ontime: traffic seeds from --seed on (default: 3; quick: 2)"
         ),
         shift: str = typer.Option(
             None,
@@ -420,6 +424,7 @@ def register(app: typer.Typer) -> None:
             cmd,
             tag=suffix,
             delta=delta,
+            seeds=seeds,
             shift=shift_tasks,
             loader=load_routing_data,
             profiles=profiles,
