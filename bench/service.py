@@ -447,6 +447,7 @@ async def drain_once(
     args: argparse.Namespace,
     bootstrap: str,
     redis_url: str,
+    store: object,
     procs: ProcessGroup,
     cluster_file: Path,
     policy_args: list[str],
@@ -500,6 +501,7 @@ async def drain_once(
         # the routed records, read after the drain (the bench took no CPU during it)
         routed_at: list[float] = []
         keys: set[bytes] = set()
+        by_instance: dict[str, list[str]] = {}
         mine = {i.encode() for i in ids}
         for tp in tps:
             probe.assign([tp])
@@ -510,6 +512,14 @@ async def drain_once(
                 for rec in got.get(tp, []):
                     routed_at.append(rec.timestamp / 1000.0)
                     keys.add(rec.key)
+                    by_instance.setdefault(str(topics.instance_of(tp.topic)), []).append(
+                        rec.key.decode()
+                    )
+        # free the capacity slots the routers took (no worker here): the next run's
+        # instances start as empty as this one's did, and capacity never binds
+        for instance_id, qids in by_instance.items():
+            for at in range(0, len(qids), 5000):
+                await store.release_slots(instance_id, qids[at : at + 5000])  # type: ignore[attr-defined]
     finally:
         await probe.stop()
     ts = sorted(routed_at)
@@ -595,7 +605,7 @@ async def drain(
             ids = [f"{rid}-warmup-{i}" for i in range(args.drain_warmup)]
             args.routers = 1
             await drain_once(
-                args, bootstrap, redis_url, procs, cluster_file, policy_args,
+                args, bootstrap, redis_url, store, procs, cluster_file, policy_args,
                 f"router-{rid}-warmup", ids, routes,
             )  # fmt: skip
         for k in range(args.drain_runs):
@@ -603,7 +613,7 @@ async def drain(
                 args.routers = n
                 ids = [f"{rid}-r{n}k{k}-{i}" for i in range(args.drain)]
                 got = await drain_once(
-                    args, bootstrap, redis_url, procs, cluster_file, policy_args, f"router-{rid}-{n}-{k}",
+                    args, bootstrap, redis_url, store, procs, cluster_file, policy_args, f"router-{rid}-{n}-{k}",
                     ids, routes,
                 )  # fmt: skip
                 runs[n].append(got)
