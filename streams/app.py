@@ -3,16 +3,19 @@
 Processing guarantee and why (issue 7 asks for exactly-once "where the broker supports
 it"): Faust's exactly-once mode picks the transactional producer by the *destination*
 partition, only for topics the app itself consumes, and commits on a timer. Our windows
-(``take_events``) mix partitions and our outputs (``route.<instance>``) are not consumed
+mix partitions and our outputs (``route.<instance>``) are not consumed
 by the router, so in that mode the routed messages would leave outside any transaction
 while offsets commit inside one — weaker than it looks. We therefore run Faust's
 at-least-once mode and make redelivery harmless instead:
 
-- ``take_events`` acknowledges a window's events only after the agent body returns, and
-  the body returns only after Kafka acknowledged every produced message (acks=all,
-  idempotent producer), so committed offsets never run ahead of routed messages;
-- queries held for a later window get an extra reference (``message.incref``) so their
-  offsets stay uncommitted until they are finished;
+- the agent reads ``queries`` a fetch at a time from Faust's consumer (``streams.feed``:
+  no Faust event per record); each record holds one reference that is dropped
+  (``FeedHandle.ack``) only after its window's messages were acknowledged by Kafka
+  (acks=all, idempotent producer), so committed offsets never run ahead of routed
+  messages;
+- queries held for a later window keep their reference until they are finished, and
+  ``OrderedAcker`` acknowledges each partition's inputs in offset order only, so their
+  offsets stay uncommitted meanwhile;
 - Redis dedupe remembers where each query id was routed: a redelivered query that was
   already routed is dropped. Before producing, the router records each query's route
   intent (instance and the exact decision) in the same entry; a query redelivered after a
@@ -392,7 +395,9 @@ def create_app(
     queries = app.topic(topics.QUERIES, value_type=bytes, key_type=bytes, partitions=partitions)
 
     @app.agent(queries, name="route", concurrency=1)
-    async def route(stream: faust.StreamT[bytes]) -> None:
+    async def route(stream: faust.StreamT[bytes]) -> None:  # noqa: ARG001 - read from the feed
+        # the agent subscribes ``queries`` (Faust's group and assignment); its records come
+        # from the feed, and the stream itself is never iterated
         # the worker configures logging before agents start; keep the clients' per-message
         # debug records from being built at all (aiokafka logs every send at DEBUG)
         for name in ("aiokafka", "faust", "mode", "kafka"):
