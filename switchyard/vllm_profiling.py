@@ -110,6 +110,7 @@ def run_driver(
             child = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
             )
+            vllm_env.prioritise_session(child.pid)
             try:
                 rc = child.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
