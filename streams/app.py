@@ -25,12 +25,14 @@ at-least-once mode and make redelivery harmless instead:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
 import time
 import weakref
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ import faust
 
 from routing.types import Router
 from schemas import ClusterConfig
+from streams.feed import BatchDrain, FeedHandle, WindowFeed
 from streams.ledger_rebuild import LedgerGuard, kafka_scan
 from streams.metrics import RouterMetrics
 from streams.rescue import KafkaRouteReader, RescueConfig, Rescuer
@@ -108,7 +111,10 @@ class OrderedAcker:
     """
 
     def __init__(self) -> None:
-        self._open: dict[Any, dict[int, Inbound]] = {}  # tp -> offset -> input, in offset order
+        # tp -> offset -> input, in offset order. An OrderedDict: the head is read after each
+        # pop from the front, which a plain dict answers by scanning past every popped slot
+        # (quadratic in a window's inputs; ~6% of a router's CPU in a drain)
+        self._open: dict[Any, OrderedDict[int, Inbound]] = {}
         self._done: dict[Any, set[int]] = {}
         self._given_up: weakref.WeakSet[Any] = weakref.WeakSet()  # Faust messages
 
@@ -117,7 +123,9 @@ class OrderedAcker:
         kept = [it for it in items if self.keep(it)]
         for it in kept:
             tp = it.handle.message.tp
-            opened = self._open.setdefault(tp, {})
+            opened = self._open.get(tp)
+            if opened is None:
+                opened = self._open[tp] = OrderedDict()
             if opened and it.offset < next(reversed(opened)):
                 # out of order: after a rebalance, events the stream had buffered before it
                 # (higher offsets) can arrive before the re-fetched ones from the committed
@@ -125,7 +133,7 @@ class OrderedAcker:
                 # one acknowledges it ahead of a lower unfinished one, and Faust, which lets
                 # a single missing offset after its last commit slip, commits past that query
                 opened[it.offset] = it
-                self._open[tp] = dict(sorted(opened.items()))
+                self._open[tp] = OrderedDict(sorted(opened.items()))
             else:
                 opened[it.offset] = it
         return kept
@@ -185,9 +193,21 @@ class OrderedAcker:
 
 
 class _RouterFaustApp(faust.App):
-    """``faust.App`` that gives up held queries before Faust waits for every ack."""
+    """``faust.App`` that gives up held queries before Faust waits for every ack, and reads
+    ``queries`` in batches (``streams.feed``: no Faust event per record)."""
 
     router_runtime: RouterApp | None = None
+    query_feed: WindowFeed | None = None  # BatchDrain hands ``queries`` records over here
+
+    def _new_consumer(self) -> Any:
+        return BatchDrain(
+            self.transport,
+            callback=self.topics.on_message,
+            loop=self.transport.loop,
+            on_partitions_revoked=self._on_partitions_revoked,
+            on_partitions_assigned=self._on_partitions_assigned,
+            beacon=self.beacon,
+        )
 
     async def _consumer_wait_empty(self, consumer: Any, logger: Any) -> None:
         runtime = self.router_runtime
@@ -308,6 +328,7 @@ class RouterApp:
                         self.rescue,
                         limits=self.config.limits,
                     )
+                quiet_gc()
             return self.service
 
 
@@ -367,6 +388,7 @@ def create_app(
         app, cluster, router, settings, config, metrics or RouterMetrics(), rescue=rescue
     )
     app.router_runtime = runtime
+    app.query_feed = WindowFeed(topics.QUERIES, capacity=max(4096, 4 * config.max_batch))
     queries = app.topic(topics.QUERIES, value_type=bytes, key_type=bytes, partitions=partitions)
 
     @app.agent(queries, name="route", concurrency=1)
@@ -383,29 +405,34 @@ def create_app(
         worker = asyncio.create_task(
             _process_windows(service, windows, runtime.acker), name="route-windows"
         )
+        feed = app.query_feed
+        assert feed is not None  # set by create_app
         try:
-            windowed = stream.take_events(config.max_batch, within=config.window_s)  # type: ignore[attr-defined]
-            async for events in windowed:
+            while True:
+                # records straight from Faust's consumer (streams.feed): never the stream
+                messages = await feed.take(config.max_batch, config.window_s)
                 items = [
                     Inbound(
-                        raw=e.value,
-                        topic=e.message.topic,
-                        partition=e.message.partition,
-                        offset=e.message.offset,
-                        timestamp_s=e.message.timestamp,
-                        handle=e,
-                        undecodable=kafka_records.undecodable_reason(e.message.headers, e.value),
+                        raw=m.value,
+                        topic=m.topic,
+                        partition=m.partition,
+                        offset=m.offset,
+                        timestamp_s=m.timestamp,
+                        handle=FeedHandle(m, consumer),
+                        undecodable=(
+                            None
+                            if m.value is not None
+                            else kafka_records.undecodable_reason(m.headers, m.value)
+                        ),
                     )
-                    for e in events
+                    for m in messages
                 ]
-                # one extra reference per event: take_events' own ack then leaves the offset
-                # uncommitted until the window is routed and produced (see _process_windows)
-                for e in events:
-                    e.message.incref()
+                # each record holds one reference (BatchDrain) that the acker drops once
+                # the window is routed and produced (see _process_windows)
                 items = runtime.acker.opened(items)  # minus those given up at a rebalance
                 if items:
                     await windows.put(items)  # at most one window waits: backpressure
-                _record_lag(runtime.metrics, consumer, events)
+                _record_lag(runtime.metrics, consumer, messages)
                 while service.held_count > config.max_held:  # backpressure: stop reading a while
                     await asyncio.sleep(config.window_s)
         finally:
@@ -462,10 +489,26 @@ async def _process_windows(
                 acker.finished(it)
 
 
-def _record_lag(metrics: RouterMetrics, consumer: Any, events: list[Any]) -> None:
+# The cyclic garbage collector's thresholds in a router (Python's: 700, 10, 10). Nearly all
+# of a window's objects die by reference count; the collector finds next to nothing, but a
+# full collection walks every live object (the predictor's memo, the feed's backlog, the
+# app), and with the default thresholds those walks took ~17% of a router's CPU in a
+# 40,000-query drain (docs/benchmarks/service.md, "Hot path, round two").
+GC_THRESHOLDS = (20_000, 50, 100)
+
+
+def quiet_gc() -> None:
+    """Once the service is built: what exists now is kept for the process's life, so it
+    leaves the collector's generations (``gc.freeze``), and collections run less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def _record_lag(metrics: RouterMetrics, consumer: Any, messages: list[Any]) -> None:
     last: dict[Any, int] = {}
-    for e in events:
-        last[e.message.tp] = max(last.get(e.message.tp, -1), e.message.offset)
+    for m in messages:
+        last[m.tp] = max(last.get(m.tp, -1), m.offset)
     for tp, offset in last.items():
         try:
             high = consumer.highwater(tp)

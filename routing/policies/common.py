@@ -3,7 +3,9 @@
 A window is n queries × K instance columns: predicted quality (mean and robust lower
 bound) and output length per model expanded to the instances serving it, cost =
 input price · prompt tokens + output price · predicted output tokens (capped by the
-query's ``max_tokens``), free slots per instance, and the budget as rows.
+query's ``max_tokens``), less (input − cached-input price) · the pair's prefix-cache hit
+(``ModelSpec.cached_input_usd_per_token``; prefix-aware windows only), free slots per
+instance, and the budget as rows.
 """
 
 from __future__ import annotations
@@ -132,11 +134,13 @@ def prepare(
     out_tokens = _output_tokens(ctx, texts, prompt, queries, views)
     in_price = np.zeros(K)
     out_price = np.zeros(K)
+    cached_price = np.zeros(K)
     for j, v in enumerate(views):
         if usable[j]:
             spec = ctx.cluster.model(v.model)
             in_price[j] = spec.input_usd_per_token
             out_price[j] = spec.output_usd_per_token
+            cached_price[j] = spec.cached_input_price
     cost = prompt[:, None] * in_price[None, :] + out_tokens * out_price[None, :]
     capacity = np.array([max(0, int(v.free_slots)) for v in views], dtype=np.int64)
     capacity = np.where(usable, capacity, 0)
@@ -145,6 +149,8 @@ def prepare(
     stale = np.array([bool(v.stale) for v in views], dtype=np.bool_)
     fits, unfit, never = context_fits(ctx, queries, prompt, views, usable)
     prefixes, hits, parent, shared = prefix_hits(ctx, queries, prompt, views, usable)
+    # a hit is billed at the cached-input price: where a query's prefix is cached is cheaper
+    cost = cost - hits * (in_price - cached_price)[None, :]
     return Window(
         queries,
         views,

@@ -19,6 +19,7 @@ block changes its rounding, as on an AMD EPYC with OpenBLAS 0.3.31), which is wh
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,22 +29,72 @@ from routing.quality.base import Arrays, Float32Array, bootstrap_weights, check_
 from routing.types import FloatArray
 
 SIM_BLOCK_ROWS = 64  # query rows per similarity matrix product (module docstring)
+TOPK_GROUPS = 128  # column groups of the top-k prefilter (``smallest_k``)
 
 
-def block_similarity(z: Float32Array, ZT: Float32Array) -> Float32Array:
-    """``z @ ZT`` computed ``SIM_BLOCK_ROWS`` rows at a time: row ``i`` of the result does not
-    depend on the other rows of ``z`` (module docstring)."""
+def smallest_k(a: Float32Array, k: int) -> npt.NDArray[np.int64]:
+    """Per row of ``a``, the columns of its ``k`` smallest values, smallest first; ties go
+    to the lower column. Exact: the same values as ``np.argpartition(a, k - 1)[:, :k]``
+    (which breaks ties arbitrarily), about 8x cheaper for a few thousand columns.
+
+    The columns are dealt into ``G`` groups (column c to group c mod G) and each group's
+    minimum taken; the k-th smallest of those minima, t, has at least k values <= t below
+    it (one per group), so the k smallest are among the values <= t — typically a few
+    dozen of thousands. Those are gathered (one pass) and sorted by (value, column)."""
+    n, cols = a.shape
+    if not 1 <= k <= cols:
+        raise ValueError(f"k must be in [1, {cols}], got {k}")
+    groups = max(TOPK_GROUPS, 2 * k)
+    if cols < 2 * groups or n == 0:
+        return _smallest_k_sorted(a, k)
+    gmin = a[:, :groups].copy()
+    for start in range(groups, cols, groups):  # group g: columns g, g + G, g + 2G, ...
+        part = a[:, start : start + groups]
+        np.minimum(gmin[:, : part.shape[1]], part, out=gmin[:, : part.shape[1]])
+    t = np.partition(gmin, k - 1, axis=1)[:, k - 1]
+    flat = np.flatnonzero(a <= t[:, None])  # row-major: by row, then by column
+    rows, col = np.divmod(flat, cols)
+    count = np.bincount(rows, minlength=n)
+    if count.min() < k:  # NaN in a row (no value compares <= NaN)
+        return _smallest_k_sorted(a, k)
+    width = int(count.max())
+    pos = np.arange(len(flat)) - (np.cumsum(count) - count)[rows]
+    vals = np.full((n, width), np.inf, dtype=a.dtype)
+    idx = np.zeros((n, width), dtype=np.int64)
+    vals[rows, pos] = a.ravel()[flat]
+    idx[rows, pos] = col
+    order = np.argsort(vals, axis=1, kind="stable")[:, :k]  # stable: lower column first
+    return np.take_along_axis(idx, order, axis=1)
+
+
+def _smallest_k_sorted(a: Float32Array, k: int) -> npt.NDArray[np.int64]:
+    """``smallest_k`` by a full stable sort of each row (few columns, or NaN present)."""
+    return np.argsort(a, axis=1, kind="stable")[:, :k].astype(np.int64)
+
+
+def similarity_blocks(z: Float32Array, ZT: Float32Array) -> Iterator[tuple[int, Float32Array]]:
+    """``z @ ZT`` in ``SIM_BLOCK_ROWS``-row products (the last one zero-padded): yields each
+    block's first row and its rows of the product. Row ``i`` does not depend on the other
+    rows of ``z`` (module docstring). The yielded array is reused for the next block."""
     n = z.shape[0]
-    out: Float32Array = np.empty((n, ZT.shape[1]), dtype=np.float32)
+    out: Float32Array = np.empty((SIM_BLOCK_ROWS, ZT.shape[1]), dtype=np.float32)
     block = np.zeros((SIM_BLOCK_ROWS, z.shape[1]), dtype=np.float32)
     for start in range(0, n, SIM_BLOCK_ROWS):
         rows = min(SIM_BLOCK_ROWS, n - start)
         if rows == SIM_BLOCK_ROWS:
-            np.matmul(z[start : start + rows], ZT, out=out[start : start + rows])
+            np.matmul(z[start : start + rows], ZT, out=out)
         else:
             block[:rows] = z[start : start + rows]
             block[rows:] = 0.0
-            out[start : start + rows] = (block @ ZT)[:rows]
+            np.matmul(block, ZT, out=out)
+        yield start, out[:rows]
+
+
+def block_similarity(z: Float32Array, ZT: Float32Array) -> Float32Array:
+    """``z @ ZT`` computed ``SIM_BLOCK_ROWS`` rows at a time (``similarity_blocks``)."""
+    out: Float32Array = np.empty((z.shape[0], ZT.shape[1]), dtype=np.float32)
+    for start, sim in similarity_blocks(z, ZT):
+        out[start : start + len(sim)] = sim
     return out
 
 
@@ -99,15 +150,16 @@ class KNNEstimator:
         z = self._z(X)
         if self._ZT is None:
             self._ZT = np.ascontiguousarray(self.Z.T)
-        neg = block_similarity(z, self._ZT)  # [n, n_train], negated in place below
-        np.negative(neg, out=neg)
-        k = min(self.k, neg.shape[1])
-        idx = (
-            np.argpartition(neg, k - 1, axis=1)[:, :k]
-            if k < neg.shape[1]
-            else np.tile(np.arange(k), (len(z), 1))
-        )
-        s = np.maximum(-np.take_along_axis(neg, idx, axis=1), 0.0) + 1e-3  # [n, k]
+        n, k = len(z), min(self.k, self._ZT.shape[1])
+        idx = np.empty((n, k), dtype=np.int64)
+        s = np.empty((n, k), dtype=np.float32)
+        # the neighbours of each block of rows while its similarities are in cache
+        for start, sim in similarity_blocks(z, self._ZT):
+            np.negative(sim, out=sim)
+            got = smallest_k(sim, k)
+            idx[start : start + len(got)] = got
+            s[start : start + len(got)] = -np.take_along_axis(sim, got, axis=1)
+        s = np.maximum(s, 0.0) + 1e-3  # [n, k]
         w = self.W[:, idx] * s[None]  # [B, n, k]
         ym = self.Y[idx] * self.M[idx]  # [n, k, m]
         mk = self.M[idx]

@@ -36,6 +36,7 @@ from sim.experiments.allocation import (
 from sim.experiments.batching import per_query_enforced, run_batching
 from sim.experiments.common import (
     BASELINES,
+    DELTA_POLICIES,
     ONTIME_POLICIES,
     ONTIME_SLO,
     UTILITY_LAMBDA,
@@ -47,6 +48,7 @@ from sim.experiments.common import (
     ExperimentInputs,
     ExperimentResult,
     Offline,
+    OracleQuality,
     Progress,
     SimSetup,
     best_single,
@@ -91,6 +93,7 @@ def run(name: str, inputs: ExperimentInputs, progress: Progress | None = None) -
 
 __all__ = [
     "BASELINES",
+    "DELTA_POLICIES",
     "EXPERIMENTS",
     "ONTIME_POLICIES",
     "ONTIME_SLO",
@@ -105,6 +108,7 @@ __all__ = [
     "ExperimentInputs",
     "ExperimentResult",
     "Offline",
+    "OracleQuality",
     "Progress",
     "Runner",
     "SimSetup",

@@ -111,7 +111,10 @@ def run_allocation(inputs: ExperimentInputs, progress: Progress | None = None) -
     n_eval = 2 if inputs.quick else 6
     hist_w = [rng.choice(hist_rows, size=window, replace=False) for _ in range(n_hist)]
     eval_w = [rng.choice(eval_rows, size=window, replace=False) for _ in range(n_eval)]
-    j_best, q_best, _ = best_single(off.scores, off.cost)
+    j_best, _, _ = best_single(off.scores, off.cost)
+    # the best single model (chosen in hindsight on every held-out query) serving the same
+    # evaluation windows as the routed allocations, so both are scored on the same queries
+    q_best = float(np.mean([off.scores[w, j_best].mean() for w in eval_w]))
     # GPUs are the limit here (paper B's allocation); money is not: every window may spend
     # what routing wants, so the comparison isolates where the GPUs go.
     budget = math.inf

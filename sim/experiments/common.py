@@ -61,7 +61,9 @@ class ExperimentInputs:
     # shell with its ``loaders.minilm`` source: this room reads no weights)
     featurizer: Any = "hashed"
     tag: str = ""  # appended to output file names (e.g. "-irt_router_ccf20-quick")
-    delta: float | None = None  # paper A's δ for latency-aware in ``ontime`` (None: its default)
+    # paper A's δ of latency-aware and batch-ilp-sfs in ``ontime`` (None: each policy's default)
+    delta: float | None = None
+    seeds: int | None = None  # ``ontime``: traffic seeds from ``seed`` on (None: 3, quick 2)
     # ``robust`` only: serve a task mix unlike the training mix (``robust.shifted_mix``)
     shift: tuple[str, ...] = ()  # tasks cut from training and over-represented when served
     shift_keep: float = 0.05  # share of the shift tasks' training queries kept
@@ -288,6 +290,29 @@ class CachedQuality:
         return QualityEstimate(mean=self._mean[idx], lower=self._lower[idx], std=self._std[idx])
 
 
+class OracleQuality:
+    """Realised scores as the quality "prediction" (mean = lower = the score, std 0): what
+    a policy reaches when the predictor is not the limit. A reference, not a method; texts
+    that several queries share get their mean score."""
+
+    def __init__(self, data: RoutingData) -> None:
+        self.models = list(data.models)
+        uniq = list(dict.fromkeys(data.texts))
+        self._row = {t: i for i, t in enumerate(uniq)}
+        idx = np.fromiter((self._row[t] for t in data.texts), np.int64, len(data.texts))
+        scores = np.nan_to_num(data.scores, nan=0.0)
+        total = np.zeros((len(uniq), scores.shape[1]))
+        np.add.at(total, idx, scores)
+        self._mean = total / np.bincount(idx, minlength=len(uniq))[:, None]
+
+    def predict(self, texts: Sequence[str]) -> QualityEstimate:
+        missing = [t for t in texts if t not in self._row]
+        if missing:
+            raise ExperimentError(f"oracle quality has no score for {len(missing)} text(s)")
+        m = self._mean[np.fromiter((self._row[t] for t in texts), np.int64, len(texts))]
+        return QualityEstimate(mean=m, lower=m, std=np.zeros_like(m))
+
+
 class CachedLength:
     """Output-length predictions for known (text, prompt tokens) pairs, computed once."""
 
@@ -413,6 +438,8 @@ ONTIME_POLICIES = (
     "batch-ilp-sfs",
 )
 BASELINES = ("round-robin", "shortest-queue", "latency-agnostic")
+DELTA_POLICIES = ("latency-aware", "batch-ilp-sfs")
+"""The policies with paper A's latency penalty δ (the experiments' ``delta`` sets both)."""
 UTILITY_LAMBDA = 20.0
 """Quality per USD in u = score − λ·cost for the simulator experiments: at dc9 prices a
 1,400-token query costs 0.025 utility on a 49–70B model and 0.006 on a 7B model."""

@@ -4,6 +4,7 @@ shortest-queue on the Mooncake trace and on ShareGPT conversations (``sim.prefix
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +27,89 @@ from sim.experiments.common import (
 )
 from sim.traffic import SloSpec
 
+PREFIX_SEEDS = 3
+"""Seeds of a full run (``inputs.seed`` and the next ones): each its own train/test split,
+quality predictor, SLO draws and ShareGPT sample; the table gives mean ± sd over them."""
+
 
 def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> ExperimentResult:
     """Prefix-aware vs prefix-agnostic batch-ilp-sfs vs prefix-affinity vs shortest-queue on
-    the Mooncake trace and on ShareGPT conversations (``sim.prefix_study``)."""
+    the Mooncake trace and on ShareGPT conversations (``sim.prefix_study``), over
+    ``inputs.seeds`` seeds (default :data:`PREFIX_SEEDS`, one when quick)."""
     from sim import prefix_study as ps
 
     t0 = time.perf_counter()
+    if inputs.trace_path is None:
+        raise ExperimentError("prefix: needs the Mooncake trace (--trace mooncake)")
+    n_seeds = inputs.seeds or (1 if inputs.quick else PREFIX_SEEDS)
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    reference: dict[str, dict[str, list[float]]] = {}
+    for seed in range(inputs.seed, inputs.seed + n_seeds):
+        seed_rows, ref, seed_notes = _one_seed(replace(inputs, seed=seed), progress)
+        rows += [{**r, "seed": seed} for r in seed_rows]
+        notes += [n for n in seed_notes if n not in notes]
+        for wl, figs in ref.items():
+            for k, v in figs.items():  # one value a seed
+                reference.setdefault(wl, {}).setdefault(k, []).append(v)
+    for wl, per_seed in reference.items():
+        notes.append(f"{wl}: prompt tokens a cache could serve (reuse_reference, mean over "
+                     f"seeds): {np.mean(per_seed['unbounded_hit_rate']):.1%} with no eviction, "
+                     f"{np.mean(per_seed['sticky_lru_hit_rate']):.1%} with the cluster's caches, "
+                     "conversations pinned to one instance")  # fmt: skip
+    means = ps.mean_sd(rows)
+    pngs = ps.plots(means, inputs.png("prefix"))
+    out = {
+        "seeds": list(range(inputs.seed, inputs.seed + n_seeds)),
+        "rows": means,
+        "per_seed_rows": rows,
+        "versus": ps.versus(means),
+        "versus_per_seed": ps.versus_over_seeds(rows),
+        "reuse_reference": reference,
+        "plots": [p.name for p in pngs],
+    }
+    table = [_formatted(r) for r in means]
+    return finish("prefix", out, table, ps.COLUMNS, pngs[0], t0, notes=notes)
+
+
+def _formatted(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of means as table cells: ``mean ± sd`` where there is more than one seed."""
+    from sim import prefix_study as ps
+
+    out = dict(row)
+    digits = {"ttft_p50_ms": 0, "ttft_p99_ms": 0, "decide_p50_ms": 1}
+    for k in (*ps.METRICS, "decide_p50_ms"):
+        d = digits.get(k, 3)
+        v, sd = row[k], row[k + "_sd"]
+        out[k] = f"{v:,.{d}f} ± {sd:,.{d}f}" if row["seeds"] > 1 else f"{v:,.{d}f}"
+    return out
+
+
+def _one_seed(
+    inputs: ExperimentInputs, progress: Progress | None
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]], list[str]]:
+    """Every workload and policy for one seed: rows, the reuse references, notes."""
+    from sim import prefix_study as ps
+
+    assert inputs.trace_path is not None
     st = sim_setup(inputs)
     cfg = sim_eval_config()
     length = CachedLength(st.predictor.length, st.data.texts, st.data.prompt_tokens)
 
     def make(name: str, aware: bool) -> Router:
+        # --delta: paper A's latency weight for both batch-ilp-sfs rows (None: its default)
+        knobs = {}
+        if inputs.delta is not None and name == "batch-ilp-sfs":
+            knobs["delta"] = inputs.delta
         return make_policy(
-            name, st.cluster, st.quality, UTILITY_LAMBDA, length, aware, profiles=st.profiles
+            name,
+            st.cluster,
+            st.quality,
+            UTILITY_LAMBDA,
+            length,
+            aware,
+            profiles=st.profiles,
+            **knobs,
         )
 
     def fresh() -> SimCluster:
@@ -47,12 +117,10 @@ def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
 
     def note(msg: str) -> None:
         if progress is not None:
-            progress(msg)
+            progress(f"seed {inputs.seed}: {msg}")
 
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    if inputs.trace_path is None:
-        raise ExperimentError("prefix: needs the Mooncake trace (--trace mooncake)")
     # the whole trace even when quick (a few seconds a policy): its first minutes are a cold
     # start in which few prompts extend an earlier one, whatever the cache
     trace = ps.mooncake_trace(inputs.trace_path)
@@ -78,16 +146,4 @@ def run_prefix(inputs: ExperimentInputs, progress: Progress | None = None) -> Ex
         w = ps.sharegpt_workload(st.data, convs, 2.0, rng, SloSpec.parse(ps.SHAREGPT_SLO))
         reference["sharegpt"] = ps.reuse_reference(w, st.cluster)
         rows += ps.run_policies("sharegpt", w, make, fresh, cfg, note)
-    for wl, ref in reference.items():
-        notes.append(f"{wl}: prompt tokens a cache could serve (reuse_reference): "
-                     f"{ref['unbounded_hit_rate']:.1%} with no eviction, "
-                     f"{ref['sticky_lru_hit_rate']:.1%} with the cluster's caches, "
-                     "conversations pinned to one instance")  # fmt: skip
-    pngs = ps.plots(rows, inputs.png("prefix"))
-    out = {
-        "rows": rows,
-        "versus": ps.versus(rows),
-        "reuse_reference": reference,
-        "plots": [p.name for p in pngs],
-    }
-    return finish("prefix", out, rows, ps.COLUMNS, pngs[0], t0, notes=notes)
+    return rows, reference, notes

@@ -1,6 +1,7 @@
 -- The router's LRU model of one instance's prefix cache (routing.prefix.LruPrefixModel, the
 -- same rules): the blocks of a query routed there, or finished there, become the most
--- recent, in their order; the least recent go while the blocks' tokens exceed the capacity.
+-- recent, its first block the very most recent (vLLM frees a request's blocks tail first, so
+-- its tail is evicted first); the least recent go while the blocks' tokens exceed the capacity.
 -- KEYS[1] zset block hash -> recency (a counter)  KEYS[2] hash block hash -> tokens, plus
 -- '#seq' (the counter), '#total' (tokens held) and '#cap' (a capacity a worker reconciled
 -- with the engine's own hit counters; absent until then)
@@ -24,7 +25,7 @@ for i = 1, n do
   if old then total = total - tonumber(old) end
   redis.call('HSET', KEYS[2], h, ARGV[2])
   total = total + bt
-  redis.call('ZADD', KEYS[1], seq * 65536 + i, h)
+  redis.call('ZADD', KEYS[1], seq * 65536 + (n - i + 1), h)
 end
 local evicted = 0
 while total > cap + 1e-9 do

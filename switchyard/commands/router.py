@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -19,6 +20,9 @@ from routing.window_defaults import (
     SHED_BACKLOG,
 )
 from wiring.paths import DEFAULT_CLUSTER
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_POLICY = "batch-ilp-sfs"
 # ``routing.policies.ROUTERS`` by name (importing it costs seconds; a test keeps them equal)
@@ -220,6 +224,7 @@ def register(app: typer.Typer) -> None:
             f"Redis {settings.redis_display()}",
             err=True,
         )
+        typer.echo(f"router {app_id}: service config {_config_line(config)}", err=True)
         typer.echo(
             f"router {app_id}: policy options "
             + (", ".join(f"{k}={v}" for k, v in shown.items()) or "none"),
@@ -261,3 +266,10 @@ def _default_predictor() -> Path:
         path = ensure_default_predictor(cache, DEFAULT_RECIPE, step)
         bar.update(task, completed=3)
     return path
+
+
+def _config_line(config: DataclassInstance) -> str:
+    """Every field of a config dataclass with the value it runs with (logged at start)."""
+    from dataclasses import asdict
+
+    return ", ".join(f"{k}={v}" for k, v in asdict(config).items())

@@ -7,6 +7,7 @@ inputs and prints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -242,6 +243,11 @@ def register(app: typer.Typer) -> None:
                 shed_backlog=shed_backlog,
                 shed_after_slo=shed_after_slo,
             )
+            console.print(
+                "window config: "
+                + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(ecfg).items()),
+                highlight=False,
+            )
             options = parse_options(policy_opt)
             for p in policy:
                 shown = ", ".join(f"{k}={v}" for k, v in effective_options(p, **options).items())
@@ -352,7 +358,11 @@ def register(app: typer.Typer) -> None:
         ),
         quick: bool = typer.Option(False, help="A small, fast run"),
         delta: float = typer.Option(
-            None, help="ontime: δ of latency-aware (default: the policy's own)"
+            None,
+            help="ontime: δ of latency-aware and batch-ilp-sfs (default: each policy's own)",
+        ),
+        seeds: int = typer.Option(
+            None, help="ontime: traffic seeds from --seed on (default: 3; quick: 2)"
         ),
         shift: str = typer.Option(
             None,
@@ -414,6 +424,7 @@ def register(app: typer.Typer) -> None:
             cmd,
             tag=suffix,
             delta=delta,
+            seeds=seeds,
             shift=shift_tasks,
             loader=load_routing_data,
             profiles=profiles,

@@ -95,14 +95,19 @@ def test_routed_hits_count_the_snapshot_and_earlier_window_mates_on_the_same_ins
 
 def test_lru_model_keeps_the_most_recent_within_capacity() -> None:
     lru = LruPrefixModel(capacity_tokens=1000.0)
+    # a query's blocks are touched tail first, as vLLM frees them: its head is the most recent
     lru.touch(np.array([1, 2, 3], dtype=np.uint64), 300.0)
-    lru.touch(np.array([4], dtype=np.uint64), 300.0)  # 1200 tokens: 1 goes
-    assert lru.cached().tolist() == [2, 3, 4] and lru.tokens == pytest.approx(900.0)
+    lru.touch(np.array([4], dtype=np.uint64), 300.0)  # 1200 tokens: the tail 3 goes
+    assert lru.cached().tolist() == [1, 2, 4] and lru.tokens == pytest.approx(900.0)
     lru.touch(np.array([2], dtype=np.uint64), 300.0)  # 2 is now the most recent
-    lru.touch(np.array([5], dtype=np.uint64), 300.0)  # 3 goes, not 2
+    lru.touch(np.array([5], dtype=np.uint64), 300.0)  # 1 goes, not 2
     assert lru.cached().tolist() == [2, 4, 5]
     lru.resize(400.0)
     assert lru.cached().tolist() == [5]
+    # a chain that overflows the model keeps its leading blocks, which later prompts share
+    lru = LruPrefixModel(capacity_tokens=900.0)
+    lru.touch(np.array([7, 8, 9, 10, 11], dtype=np.uint64), 300.0)
+    assert lru.cached().tolist() == [7, 8, 9] and lru.leading_blocks([7, 8, 9, 10]) == 3
     with pytest.raises(ValueError, match="capacity_tokens must be > 0"):
         LruPrefixModel(0.0)
 
@@ -204,15 +209,30 @@ def test_engine_counts_prefix_cache_queries_and_hits_like_vllm() -> None:
     assert eng.cached_hashes().tolist() == [1, 2, 3, 4, 9, 10]
 
 
-def test_engine_evicts_least_recently_freed_blocks_when_it_needs_room() -> None:
+def test_engine_evicts_least_recently_freed_blocks_tail_first_when_it_needs_room() -> None:
     eng = SimEngine(LinearTiming(M), SchedulerConfig(kv_blocks=250, block_size_tokens=16))
     eng.submit("a", 0.0, 2000, 2, prefix_hashes=[1, 2], prefix_block_tokens=1000)
     eng.run_until_idle()
     eng.submit("b", eng._now, 2000, 2, prefix_hashes=[5, 6], prefix_block_tokens=1000)
     eng.run_until_idle()
-    # 4,000 tokens of cache: while b ran, a's free blocks had 1,999 tokens of room, so
-    # a's first block (freed first) went
-    assert eng.cached_hashes().tolist() == [2, 5, 6]
+    # 4,000 tokens of cache: while b ran, a's free blocks had 1,999 tokens of room, so one
+    # went: a's last, as vLLM frees a request's blocks tail first (its head is shared most)
+    assert eng.cached_hashes().tolist() == [1, 5, 6]
     eng.submit("c", eng._now, 2000, 2, prefix_hashes=[1, 2], prefix_block_tokens=1000)
     eng.run_until_idle()
-    assert {r.request_id: r.cached_tokens for r in eng.finished}["c"] == 0  # a leading miss
+    assert {r.request_id: r.cached_tokens for r in eng.finished}["c"] == 1000  # the head hits
+
+
+def test_blocks_shared_by_running_requests_are_one_copy_of_kv() -> None:
+    from sim.prefix_cache import EnginePrefixCache
+
+    cache = EnginePrefixCache()
+    cache.acquire([1, 2, 3], 500.0)  # a computed three blocks
+    cache.acquire([1, 2], 500.0)  # b hits two of them while a still runs
+    assert cache.shared_tokens == 1000.0 and cache.free_tokens == 0.0
+    cache.release([1, 2, 3])  # a finishes: its tail 3 is free, 1 and 2 still held by b
+    assert cache.shared_tokens == 0.0 and cache.free_tokens == 500.0
+    cache.release([1, 2])
+    assert cache.free_tokens == 1500.0
+    cache.evict_to(1000.0)  # the tail (freed first) goes, the head stays
+    assert cache.leading_hits([1, 2, 3]) == 2

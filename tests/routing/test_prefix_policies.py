@@ -89,3 +89,38 @@ def test_batch_ilp_sfs_puts_a_windows_prefix_sharing_queries_together() -> None:
     assert a == b
     a2, b2 = decide("batch-ilp-sfs", qs, vs, aware=False)
     assert a2 != b2
+
+
+def test_a_cached_prefix_is_billed_at_the_cached_input_price_and_can_keep_its_model() -> None:
+    """mid (quality bound 0.6, cheap) beats large (0.8, 2e-6 USD a token) on a cold 16k-token
+    prompt at λ = 10 per USD (0.584 vs 0.48); with 15,360 of its tokens cached on large at a
+    tenth of the price, large wins (0.757): the follow-up stays where its prefix is."""
+
+    def cfg(cached_price: float | None) -> ClusterConfig:
+        big = {"name": "large", "input_usd_per_token": 2e-6, "output_usd_per_token": 0.0,
+               "cached_input_usd_per_token": cached_price, "step_time": STEP,
+               "scheduler": {"max_num_batched_tokens": 2048, "kv_blocks": 20_000}}  # fmt: skip
+        mid = {**big, "name": "mid", "input_usd_per_token": 1e-7, "cached_input_usd_per_token": None}
+        small = {**mid, "name": "small"}
+        return ClusterConfig.model_validate(
+            {"models": [small, mid, big],
+             "instances": [{"id": "large-0", "model": "large"}, {"id": "mid-0", "model": "mid"}]}
+        )  # fmt: skip
+
+    conv = list(range(1, 31))  # 30 blocks of 512: 15,360 tokens cached on large-0
+    q = query("a", conv + [77], tokens=16_000)
+
+    def route(cached_price: float | None, aware: bool = True) -> tuple[str, float]:
+        c = cfg(cached_price)
+        ctx = RouterContext.build(c, FakeQuality(), lam_per_usd=10.0, prefix_aware=aware)
+        (d,) = make_router("batch-ilp-sfs", ctx).decide([q], views(c, {"large-0": conv}, {}),
+                                                       Budget(window_usd=1e6), now=0.0)  # fmt: skip
+        assert d.predicted_cost_usd is not None
+        return str(d.instance_id), d.predicted_cost_usd
+
+    inst, cost = route(2e-7)
+    assert inst == "large-0" and cost == pytest.approx(2e-6 * 640 + 2e-7 * 15_360)
+    assert route(None)[0] == "mid-0"  # no discount: the cache does not pay for large's price
+    assert route(2e-7, aware=False)[0] == "mid-0"  # blind to the cache
+    with pytest.raises(ValueError, match="cached_input_usd_per_token .* must be <= input"):
+        cfg(3e-6)

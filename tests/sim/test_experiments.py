@@ -212,3 +212,60 @@ def test_oracle_affine_is_the_per_model_least_squares_line() -> None:
     np.testing.assert_allclose(oracle_affine(mean, y), y, atol=1e-9)
     flat = np.full((10, 1), 0.3)
     np.testing.assert_array_equal(oracle_affine(flat, rng.random((10, 1))), flat)
+
+
+def test_oracle_quality_returns_each_texts_realised_scores_averaged_over_duplicates() -> None:
+    from routing.datasets import RoutingData
+
+    scores = np.array([[1.0, 0.0], [0.0, np.nan], [0.5, 1.0]])
+    data = RoutingData(
+        query_ids=["a", "b", "c"],
+        tasks=["t", "t", "t"],
+        texts=["x", "x", "y"],
+        models=["m0", "m1"],
+        scores=scores,
+        input_usd_per_token=np.zeros(2),
+        output_usd_per_token=np.zeros(2),
+        prompt_tokens=np.ones(3, dtype=np.int64),
+        output_tokens=np.ones((3, 2)),
+        cost_usd=np.zeros((3, 2)),
+    )
+    oracle = ex.OracleQuality(data)
+    est = oracle.predict(["y", "x"])
+    np.testing.assert_allclose(est.mean, [[0.5, 1.0], [0.5, 0.0]])  # nan counts as 0
+    np.testing.assert_array_equal(est.lower, est.mean)
+    assert (est.std == 0).all()
+    with pytest.raises(ex.ExperimentError, match="no score for 1 text"):
+        oracle.predict(["z"])
+
+
+def test_ontime_summary_gains_per_seed_against_the_best_mean_baseline() -> None:
+    from sim.experiments.ontime import CURVES, KEYS, PROCESSES, _summarise
+
+    rates = np.array([1.0, 2.0, 3.0])
+    level = {  # flat curves: AUC = 2 x level
+        "round-robin": [0.5, 0.58],  # better than latency-agnostic on seed 1 only
+        "shortest-queue": [0.4, 0.4],
+        "latency-agnostic": [0.55, 0.55],
+        "latency-aware": [0.6, 0.66],
+        "batch-ilp-sfs": [0.65, 0.66],
+    }
+    runs = {
+        p: {
+            c: {k: np.tile(np.asarray(level.get(c, [0.9, 0.9]))[:, None], (1, 3)) for k in KEYS}
+            for c in CURVES
+        }
+        for p in PROCESSES
+    }
+    out, rows = _summarise(runs, rates, [0, 1])
+    poisson = out["poisson"]
+    assert poisson["best_baseline"] == "latency-agnostic"  # the highest mean AUC
+    assert poisson["latency-aware"]["auc"] == pytest.approx(2 * 0.63)
+    # per seed: 0.6/0.55 - 1 and 0.66/0.55 - 1
+    assert poisson["latency-aware"]["auc_gain_vs_best_baseline"] == pytest.approx(
+        (0.6 / 0.55 + 0.66 / 0.55) / 2 - 1
+    )
+    diff = poisson["batch_ilp_minus_latency_aware"]
+    np.testing.assert_allclose(diff["mean"], [0.025] * 3)
+    assert diff["ilp_ahead_every_seed"] == [True] * 3
+    assert len(rows) == len(PROCESSES) * len(CURVES)

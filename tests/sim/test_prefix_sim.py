@@ -14,11 +14,12 @@ from sim.traffic import SloSpec, Workload, build_workload, rows_by_prefix_root
 from tests.routing.test_long_context import MODELS, FakeQuality
 
 
-def replicas() -> ClusterConfig:
+def replicas(cached_price: float | None = None) -> ClusterConfig:
     step = {"c0_ms": 5.0, "c1_ms_per_token": 0.02, "c2_ms_per_ctx_token": 1e-5,
             "c3_ms_per_attn_unit": 2e-7}  # fmt: skip
     models = [
         {"name": m, "input_usd_per_token": 1e-7, "output_usd_per_token": 2e-7, "step_time": step,
+         "cached_input_usd_per_token": cached_price,
          "scheduler": {"max_num_batched_tokens": 2048, "kv_blocks": 6000}}
         for m in MODELS
     ]  # fmt: skip
@@ -83,6 +84,19 @@ def test_prefix_aware_routing_finds_the_cache_and_lowers_ttft() -> None:
     assert affinity["cache_hit_rate"] > spread["cache_hit_rate"]
     # quality-aware: the ILP keeps the best model; prefix affinity ignores quality
     assert aware["mean_quality"] > affinity["mean_quality"]
+
+
+def test_realised_cost_bills_what_the_engine_found_cached_at_the_cached_price() -> None:
+    cfg = replicas(cached_price=1e-8)
+    ctx = RouterContext.build(cfg, FakeQuality(), prefix_aware=True)
+    w = multi_turn()
+    res = evaluate(make_router("batch-ilp-sfs", ctx), SimCluster(cfg, seed=0), w,  # type: ignore[arg-type]
+                   EvalConfig(window_s=0.2))  # fmt: skip
+    served = np.flatnonzero(res.served)
+    assert res.cached_tokens[served].sum() > 0.3 * res.prompt_tokens[served].sum()
+    out = w.output_tokens[served, res.model[served]]
+    want = 1e-7 * res.prompt_tokens[served] - 9e-8 * res.cached_tokens[served] + 2e-7 * out
+    np.testing.assert_allclose(res.cost_usd[served], want, rtol=1e-9)
 
 
 def test_rows_of_one_conversation_share_their_text() -> None:

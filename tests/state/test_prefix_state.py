@@ -57,14 +57,14 @@ async def test_a_reconciled_capacity_binds_every_later_touch(redis_url: str) -> 
         assert len((await state.cached_many(["a"]))["a"]) == 6  # configured: 8 blocks
         # the worker reconciled it to 3 blocks: its touch evicts at once ...
         evicted = await state.touch_many([PrefixTouch("a", [7], 512.0, 3 * 512.0, True)])
-        assert evicted == [4] and (await state.cached_many(["a"]))["a"] == [5, 6, 7]
+        assert evicted == [4] and (await state.cached_many(["a"]))["a"] == [2, 1, 7]
         # ... and a router's touch with the configured capacity keeps to the stored one
         await state.touch_many([PrefixTouch("a", [8, 9], 512.0, big)])
-        assert (await state.cached_many(["a"]))["a"] == [7, 8, 9]
+        assert (await state.cached_many(["a"]))["a"] == [7, 9, 8]
         # the worker grows it back: later touches may hold more again
         await state.touch_many([PrefixTouch("a", [10], 512.0, 5 * 512.0, True)])
         await state.touch_many([PrefixTouch("a", [11], 512.0, big)])
-        assert (await state.cached_many(["a"]))["a"] == [7, 8, 9, 10, 11]
+        assert (await state.cached_many(["a"]))["a"] == [7, 9, 8, 10, 11]
     finally:
         await client.aclose()
 
@@ -83,22 +83,22 @@ async def test_the_router_snapshot_carries_each_instances_prefix_model(redis_url
             [
                 PrefixTouch("a", [30, 10, 20], 512.0, 3 * 512.0),
                 PrefixTouch("b", [7], 512.0, 3 * 512.0),
-                PrefixTouch("a", [40], 512.0, 3 * 512.0),  # over capacity: 30 goes first
+                PrefixTouch("a", [40], 512.0, 3 * 512.0),  # over capacity: the tail 20 goes
             ]
         )
         assert evicted == [0, 0, 1]
         live, _ = await store.snapshots_and_step_times(["a", "b", "c"], ["m"], now=101.0)
         a, b, c = (live[i].prefix_hashes for i in "abc")
-        assert a is not None and a.dtype == np.uint64 and a.tolist() == [10, 20, 40]
+        assert a is not None and a.dtype == np.uint64 and a.tolist() == [10, 30, 40]
         assert b is not None and b.tolist() == [7] and not live["b"].alive
         assert c is None  # never touched
-        assert (await store.snapshots(["a"], now=101.0))["a"].prefix_hashes.tolist() == [10, 20, 40]  # type: ignore[union-attr]
+        assert (await store.snapshots(["a"], now=101.0))["a"].prefix_hashes.tolist() == [10, 30, 40]  # type: ignore[union-attr]
         model = {"name": "m", "input_usd_per_token": 1e-7, "output_usd_per_token": 1e-7}
         cluster = ClusterConfig.model_validate(
             {"models": [model], "instances": [{"id": "a", "model": "m"}, {"id": "b", "model": "m"}]}
         )
         views, excluded = instance_views(cluster, live, 101.0, 5.0)
         assert excluded == ["b"] and views[0].prefix_hashes is not None
-        assert views[0].prefix_hashes.tolist() == [10, 20, 40]
+        assert views[0].prefix_hashes.tolist() == [10, 30, 40]
     finally:
         await store.close()
