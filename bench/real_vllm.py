@@ -98,9 +98,22 @@ def main() -> None:
     )
     ap.add_argument("--calib-gap-s", type=float, default=0.15)
     ap.add_argument("--summarise", default=None, help="comma-separated --out files: median table")
+    ap.add_argument(
+        "--rescore",
+        default=None,
+        help="RUN.json,RECORDS.jsonl of an earlier run: score its records again with the "
+        "current estimators and profile (server_ms from its calibration records) to --out",
+    )
     args = ap.parse_args()
     if args.summarise:
         print(summarise([Path(f) for f in args.summarise.split(",")]))
+        return
+    if args.rescore:
+        run, records = (Path(f) for f in args.rescore.split(","))
+        text = json.dumps(rescore(run, records), indent=1)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
         return
     if args.quick:
         args.n, args.burst = 30, 16
@@ -199,6 +212,49 @@ def main() -> None:
         args.out.write_text(text + "\n")
     if args.keep_records:
         args.keep_records.write_text("\n".join(json.dumps(r) for r in all_records) + "\n")
+
+
+def rescore(run: Path, records: Path) -> dict[str, Any]:
+    """``run`` (an ``--out`` file) with every level scored again from its ``--keep-records``
+    file: the current estimators and profile, ``server_ms`` from its calibration records."""
+    from offline.vllm_replay import ReplayRecord
+
+    result: dict[str, Any] = json.loads(run.read_text())
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    cluster = ClusterConfig.from_file(vllm_servers.DEFAULT_CLUSTER)
+    spec = next(m for m in cluster.models if m.name == result["model"])
+    shape = vllm_model.SHAPES[result.get("shape", "tiny")]
+    profile = str(result["profile"])
+    sched = spec.scheduler
+    if result.get("shape", "tiny") != "tiny":
+        blocks = 2**30 // (sched.block_size_tokens * shape.kv_bytes_per_token())
+        sched = sched.model_copy(update={"kv_blocks": blocks})
+    model = load_profile(profile)
+    timing = TableTiming.from_profile(read_profiles(), profile)
+    fields = set(ReplayRecord.__dataclass_fields__)
+
+    def recs(trace: str, level: object) -> list[ReplayRecord]:
+        return [
+            ReplayRecord(**{k: v for k, v in r.items() if k in fields})
+            for r in rows
+            if r["trace"] == trace and r["level"] == level
+        ]
+
+    for trace, tr in result["traces"].items():
+        server_ms = server_ms_of(recs(trace, "calib"), model)
+        tr["server_ms"] = round(server_ms, 2)
+        for name, ev in tr["levels"].items():
+            new = evaluate(
+                recs(trace, int(name.rstrip("%")) / 100),
+                model,
+                sched,
+                engine_timing=timing,
+                server_ms=server_ms,
+            )
+            keep = {k: ev[k] for k in ("rate_rps", "load_average_1m") if k in ev}
+            tr["levels"][name] = {**new, **keep}
+    result["rescored"] = True
+    return result
 
 
 COLUMNS = (

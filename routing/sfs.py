@@ -490,14 +490,18 @@ def catch_up(
     * No resident waiting for its first token: the step in flight is the residents' next
       decode step at an unknown phase, so half of it remains on average.
     * Otherwise the scheduler (``routing.scheduling``, FCFS with chunked prefill) replays
-      the past: from the oldest waiting resident's arrival (after half the decode step then
-      in flight) every step is priced with Eq. 9 and each waiting resident joins at the
-      first step boundary after its arrival; decoding residents are taken as they are now
-      and never finish in the replay. The step running at the present moment is the step in
-      flight: the state after it is returned with the time until it ends. A waiting
-      resident the replay completes before then is counted prefilled by the end of the step
-      in flight (its first token is on its way). Rows with prefill progress already
-      reported (``0 < prefilled < prompt``) keep it and join the replay as running.
+      the past: from the oldest resident's arrival every step is priced with Eq. 9 and each
+      resident joins, as a fresh prompt, at the first step boundary after its arrival (the
+      decoding ones too: their prefill took the engine's steps then); none finishes in the
+      replay. Rows of unknown age (``waited_ms`` 0) that decode, and rows with reported
+      prefill progress, are taken as they are now from the start (after half the step
+      then in flight).
+    * The step running at the present moment is the step in flight: the state after it is
+      returned with the time until it ends. A waiting resident the replay completes before
+      then is counted prefilled by the end of the step in flight (its first token is on its
+      way). Work the snapshot no longer lists (requests that came and went since the oldest
+      resident arrived) is not replayed, so under a queue of short requests the credit is
+      too generous.
     """
     n = state.n
     waited = np.asarray(waited_ms, dtype=np.float64)
@@ -511,7 +515,19 @@ def catch_up(
     _check_state(state)
     waiting = (state.decoded_tokens == 0) & (state.prefilled_tokens == 0)
     never = np.full(n, np.iinfo(np.int32).max, dtype=np.int64)  # no row finishes in the replay
-    others = np.flatnonzero(~waiting)
+    if not waiting.any():
+        w = workload_from_state(
+            InstanceState(state.prompt_tokens, state.prefilled_tokens, state.decoded_tokens, never),
+            sched,
+        )
+        seg = w.plan()
+        return state, (0.5 * seg.base_growth_ms(model)[0] if seg is not None else 0.0)
+    # rows replayed from their arrival: the waiting ones, and the decoding ones of known age
+    # (their prefill also took the engine's steps since the oldest waiting one arrived); the
+    # rest (reported progress, unknown age) are taken as they are from the start
+    decoding = (state.decoded_tokens > 0) & (state.prefilled_tokens >= state.prompt_tokens)
+    fresh = waiting | (decoding & (waited > 0.0))
+    others = np.flatnonzero(~fresh)
     w = workload_from_state(
         InstanceState(
             state.prompt_tokens[others],
@@ -521,11 +537,8 @@ def catch_up(
         ),
         sched,
     )
-    if not waiting.any():
-        seg = w.plan()
-        return state, (0.5 * seg.base_growth_ms(model)[0] if seg is not None else 0.0)
-    order = np.flatnonzero(waiting)
-    order = order[np.argsort(-waited[order], kind="stable")]  # FCFS: the longest waiting first
+    order = np.flatnonzero(fresh)
+    order = order[np.argsort(-waited[order], kind="stable")]  # FCFS: the longest there first
     arrive = -waited[order]  # ms relative to now
     cap = kv_capacity_tokens(sched)
     rows = [int(i) for i in others]  # workload row -> state row

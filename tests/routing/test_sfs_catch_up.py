@@ -60,12 +60,13 @@ def test_decodes_only_leave_half_a_step_in_flight() -> None:
 
 
 def test_waiting_residents_join_fcfs_at_step_boundaries_behind_the_decodes() -> None:
-    # a decode (5.1-ms steps) and two waiting prompts that arrived 30 and 3 ms ago
+    # a decode that arrived 900 ms ago and two waiting prompts that arrived 30 and 3 ms ago
     st = _state([(100, 100, 5, 50), (300, 0, 0, 10), (200, 0, 0, 10)])
     out, delay = catch_up(st, np.array([900.0, 30.0, 3.0]), M, SCHED)
-    # the first waits half a decode step (2.55 ms), then its 300 tokens + 1 decode run
-    # (5 + 30.1 = 35.1 ms): in flight until 7.65 ms from now; the second arrived during it
-    assert delay == pytest.approx(-30.0 + 2.55 + 35.1)
+    # the decode's own prefill (15 ms) and its 5.1-ms steps: the one running at -30 ms ends
+    # at -900 + 15 + 168 x 5.1 = -28.2 ms; then the 300 tokens beside the decode (5 + 30.1
+    # ms) run until 6.9 ms from now; the second prompt arrived during that step
+    assert delay == pytest.approx(-900.0 + 15.0 + 168 * 5.1 + 35.1)
     assert out.prefilled_tokens.tolist() == [100, 300, 0]
     assert out.decoded_tokens.tolist() == [5, 1, 0]
     # the estimate from the caught-up state is below the one from the raw snapshot
