@@ -6,11 +6,13 @@ prompt lengths are exact, ``continuous_usage_stats`` so every chunk carries the 
 generated so far) and returns one :class:`ReplayRecord` per request: its real TTFT (send to
 first streamed token) and the instance snapshot at the moment it was sent, built the way a
 worker builds it from its own streams: every request in flight on that server, with its
-prompt, whether its first token has come back (prefilled) and the tokens streamed so far.
+prompt, whether its first token has come back (prefilled), the tokens streamed so far and how
+long ago it was sent (what the router reads from a resident's ``arrived_at``).
 
 :func:`evaluate` (pure) prices those snapshots with SFS (predicted and real output lengths),
 runs the simulated engine on the same send times, and the throughput baseline, and gives the
-MAPE of each against the measured TTFTs. ``bench/real_vllm.py`` drives both.
+MAPE of each against the measured TTFTs; :func:`server_ms_of` calibrates the server's own
+time per request on lone requests. ``bench/real_vllm.py`` drives them.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from routing.sfs import standalone_ttft_ms
+from routing.sfs import catch_up, standalone_ttft_ms
 from routing.steptime import StepTimeModel
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
 from routing.types import InstanceState
 from schemas import SchedulerConfig
 from wiring.sse import SSEParser, interpret
+
+FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,9 @@ class ReplayRecord:
     e2e_s: float = float("nan")
     generated_tokens: int = 0
     error: str = ""
-    # the snapshot at send: per resident [prompt, prefilled, decoded, real output length]
-    residents: list[list[int]] = field(default_factory=list)
+    # the snapshot at send: per resident [prompt, prefilled, decoded, real output length,
+    # ms since it was sent]
+    residents: list[list[float]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -61,6 +67,7 @@ class ReplayRecord:
 class _InFlight:
     prompt: int
     output: int
+    sent: float = 0.0
     first: bool = False
     decoded: int = 0
 
@@ -95,11 +102,12 @@ async def replay(
             delay = t0 + r.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            now = time.monotonic()
             rec.residents = [
-                [f.prompt, f.prompt if f.first else 0, f.decoded, f.output]
+                [f.prompt, f.prompt if f.first else 0, f.decoded, f.output, (now - f.sent) * 1e3]
                 for f in inflight.values()
             ]
-            me = inflight[r.request_id] = _InFlight(r.prompt_tokens, r.output_tokens)
+            me = inflight[r.request_id] = _InFlight(r.prompt_tokens, r.output_tokens, now)
             body = {
                 "model": model,
                 "prompt": prompts[i],
@@ -109,7 +117,7 @@ async def replay(
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                 "temperature": 0.0,
             }
-            sent = time.monotonic()
+            sent = me.sent = time.monotonic()
             rec.sent_s = sent - t0
             try:
                 async with client.stream("POST", url, json=body) as resp:
@@ -155,31 +163,33 @@ def measure_capacity(
 # ---- evaluation (pure) -----------------------------------------------------------------------
 
 
-def _state(residents: list[list[int]], predicted: int | None) -> InstanceState:
+def _state(residents: list[list[float]], predicted: int | None) -> InstanceState:
     if not residents:
         return InstanceState.empty()
-    a = np.asarray(residents, dtype=np.int64)
+    a = np.asarray([r[:4] for r in residents], dtype=np.int64)
     out = a[:, 3] if predicted is None else np.full(a.shape[0], predicted, dtype=np.int64)
     return InstanceState(a[:, 0], a[:, 1], a[:, 2], np.maximum(out, a[:, 2] + 1))
 
 
-def in_flight_ms(residents: list[list[int]], model: StepTimeModel, sched: SchedulerConfig) -> float:
-    """Expected remainder of the step in flight when a request arrives: half its Eq. 9 time.
+def _waited_ms(residents: list[list[float]]) -> FloatArray:
+    """Each resident's time at the engine when the snapshot was taken (0 where the record
+    predates that column)."""
+    return np.asarray([r[4] if len(r) > 4 else 0.0 for r in residents], dtype=np.float64)
 
-    vLLM admits a new request only at the next step, so an arrival at a uniformly random
-    moment of a busy engine waits half a step on average. The step is the residents' next
-    one: their decodes plus as much waiting prompt as the token budget leaves.
-    """
-    if not residents:
-        return 0.0
-    a = np.asarray(residents, dtype=np.int64)
-    decoding = a[:, 1] >= a[:, 0]
-    n_dec = int(decoding.sum())
-    ctx = float((a[decoding, 0] + a[decoding, 2]).sum())
-    waiting = int((a[~decoding, 0] - a[~decoding, 1]).sum())
-    chunk = min(waiting, max(0, sched.max_num_batched_tokens - n_dec))
-    t = model.step_ms(n_dec + chunk, ctx, float(chunk) * chunk / 2.0)
-    return 0.5 * float(t)
+
+def server_ms_of(records: list[ReplayRecord], model: StepTimeModel) -> float:
+    """The server's own time per request outside engine steps (API process, IPC to the engine
+    core, detokenising, streaming; and what the step-time model misses on a lone prefill):
+    the median of ``TTFT - Eq. 9 prefill`` over requests sent to an idle server. Calibrate
+    it on requests of their own, not on the ones it is scored on."""
+    gaps = [
+        r.ttft_s * 1e3 - float(model.prefill_ms(r.prompt_tokens))
+        for r in records
+        if not r.error and np.isfinite(r.ttft_s) and not r.residents
+    ]
+    if not gaps:
+        raise ValueError("server_ms_of: no request was sent to an idle server")
+    return float(np.median(gaps))
 
 
 def evaluate(
@@ -188,16 +198,23 @@ def evaluate(
     sched: SchedulerConfig,
     *,
     engine_timing: Any = None,
-    overhead_ms: float = 0.0,
-    step_in_flight: bool = False,
+    server_ms: float = 0.0,
     default_output_tokens: int = 64,
 ) -> dict[str, Any]:
-    """MAPE against the measured TTFTs: SFS on each snapshot (predicted lengths = the mean
-    output of requests finished before it was sent; and the real lengths), the simulated
-    engine on the same send times (``engine_timing``: a ``sim.timing`` source), and the
-    throughput baseline. ``overhead_ms`` is added to every estimate (the server's own time
-    outside engine steps, e.g. its API process). ``step_in_flight``: a request sent while the
-    engine is busy first waits for the step in flight (:func:`in_flight_ms`)."""
+    """MAPE against the measured TTFTs of every estimator, each on the snapshot a worker would
+    have reported at the send (or, for the simulated engine, the same send times):
+
+    * ``sfs_plain``: SFS on the snapshot as the stream shows it (a request without its first
+      token not prefilled at all), predicted output lengths (the mean output of requests
+      finished before the send), nothing outside engine steps: SFS before issue 18;
+    * ``sfs_predicted``: SFS as the router runs it on a real vLLM: the snapshot caught up to
+      the moment of sending (``routing.sfs.catch_up``: prefill done since each resident
+      arrived, the step in flight) plus ``server_ms`` (:func:`server_ms_of`), predicted
+      output lengths; ``sfs_real_lengths``: the same with the real output lengths;
+    * ``sim_engine``: the simulated engine (``engine_timing``: a ``sim.timing`` source) run on
+      the same send times, plus ``server_ms``;
+    * ``throughput_baseline``: queued prompt tokens over the engine's prefill throughput.
+    """
     from sim.engine import SimEngine
 
     ok = [r for r in records if not r.error and np.isfinite(r.ttft_s)]
@@ -205,22 +222,27 @@ def evaluate(
         raise ValueError("no request finished without an error")
     real = np.array([r.ttft_s * 1e3 for r in ok])
     tput = prefill_tokens_per_s(model, sched)
-    sfs_pred, sfs_real, thr = (np.zeros(len(ok)) for _ in range(3))
+    plain, sfs_pred, sfs_real, thr = (np.zeros(len(ok)) for _ in range(4))
     done_sorted = sorted((r.sent_s + r.e2e_s, r.generated_tokens) for r in ok)
     for i, r in enumerate(ok):
         fin = [g for t, g in done_sorted if t <= r.sent_s]
         pred = round(float(np.mean(fin))) if fin else default_output_tokens
         p = np.array([r.prompt_tokens], dtype=np.int64)
-        delay = in_flight_ms(r.residents, model, sched) if step_in_flight else 0.0
-        sfs_pred[i] = standalone_ttft_ms(
-            _state(r.residents, pred), p, model, sched, start_delay_ms=delay
-        )[0]
-        sfs_real[i] = standalone_ttft_ms(
-            _state(r.residents, None), p, model, sched, start_delay_ms=delay
-        )[0]
-        thr[i] = throughput_ttft_ms(_state(r.residents, None), p, tput)[0]
-    out: dict[str, Any] = {"n": len(ok), "errors": len(records) - len(ok)}
-    est = {"sfs_predicted": sfs_pred, "sfs_real_lengths": sfs_real, "throughput_baseline": thr}
+        waited = _waited_ms(r.residents)
+        predicted, real_len = _state(r.residents, pred), _state(r.residents, None)
+        plain[i] = standalone_ttft_ms(predicted, p, model, sched)[0]
+        st, delay = catch_up(predicted, waited, model, sched)
+        sfs_pred[i] = server_ms + standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay)[0]
+        st, delay = catch_up(real_len, waited, model, sched)
+        sfs_real[i] = server_ms + standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay)[0]
+        thr[i] = throughput_ttft_ms(real_len, p, tput)[0]
+    out: dict[str, Any] = {"n": len(ok), "errors": len(records) - len(ok), "server_ms": server_ms}
+    est = {
+        "sfs_plain": plain,
+        "sfs_predicted": sfs_pred,
+        "sfs_real_lengths": sfs_real,
+        "throughput_baseline": thr,
+    }
     if engine_timing is not None:
         eng = SimEngine(engine_timing, sched, 0)
         order = sorted(range(len(ok)), key=lambda k: ok[k].sent_s)
@@ -232,13 +254,12 @@ def evaluate(
         sim = np.zeros(len(ok))
         for f in eng.finished:
             sim[int(f.request_id)] = f.ttft_s * 1e3
-        est["sim_engine"] = sim
+        est["sim_engine"] = sim + server_ms
     for name, v in est.items():
-        e = v + overhead_ms
-        ape = np.abs(e - real) / real
+        ape = np.abs(v - real) / real
         out[f"mape_{name}"] = round(float(np.mean(ape)), 4)
         out[f"p50_ape_{name}"] = round(float(np.median(ape)), 4)
-        out[f"mean_ms_{name}"] = round(float(e.mean()), 1)
+        out[f"mean_ms_{name}"] = round(float(v.mean()), 1)
     out["mean_ms_real"] = round(float(real.mean()), 1)
     out["p50_ms_real"] = round(float(np.median(real)), 1)
     return out

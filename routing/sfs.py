@@ -29,6 +29,7 @@ and re-admitted, exactly as the scheduling model says; every answer is finite.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -453,3 +454,135 @@ def _all_decoding_fast_path(
     growth = model.c2_ms_per_ctx_token * n
     mf = m.astype(np.float64)
     return np.asarray(mf * base + growth * mf * (mf - 1.0) / 2.0, dtype=np.float64)
+
+
+def _steps_within(base_ms: float, growth_ms: float, span_ms: float, cap: int) -> int:
+    """The most whole steps of a segment (step j costs ``base + growth*j``) that fit in
+    ``span_ms``, at most ``cap``."""
+    if span_ms <= 0.0:
+        return 0
+    if growth_ms > 0.0:
+        b = base_ms - growth_ms / 2.0
+        m = int((-b + math.sqrt(b * b + 2.0 * growth_ms * span_ms)) / growth_ms)
+    else:
+        m = int(span_ms / base_ms) if base_ms > 0.0 else cap
+    m = min(max(m, 0), cap)
+    while m > 0 and m * base_ms + growth_ms * m * (m - 1) / 2.0 > span_ms + 1e-9:
+        m -= 1
+    return m
+
+
+def catch_up(
+    state: InstanceState,
+    waited_ms: FloatArray,
+    model: StepTimeModel,
+    sched: SchedulerConfig,
+) -> tuple[InstanceState, float]:
+    """What the engine did since each resident reached it: the state SFS should start from,
+    and the time until the engine's step in flight ends (SFS's ``start_delay_ms``).
+
+    For an engine whose stream says nothing before a request's first token (a real vLLM),
+    a snapshot lists every request still without one as not prefilled at all, though the
+    engine has been prefilling it since it arrived; and a new request joins only at the
+    next step boundary (vLLM schedules between steps), so it first waits for the step in
+    flight. ``waited_ms[i]``: how long resident ``i`` has been at the engine.
+
+    * No resident waiting for its first token: the step in flight is the residents' next
+      decode step at an unknown phase, so half of it remains on average.
+    * Otherwise the scheduler (``routing.scheduling``, FCFS with chunked prefill) replays
+      the past: from the oldest resident's arrival every step is priced with Eq. 9 and each
+      resident joins, as a fresh prompt, at the first step boundary after its arrival (the
+      decoding ones too: their prefill took the engine's steps then); none finishes in the
+      replay. Rows of unknown age (``waited_ms`` 0) that decode, and rows with reported
+      prefill progress, are taken as they are now from the start (after half the step
+      then in flight).
+    * The step running at the present moment is the step in flight: the state after it is
+      returned with the time until it ends. A waiting resident the replay completes before
+      then is counted prefilled by the end of the step in flight (its first token is on its
+      way). Work the snapshot no longer lists (requests that came and went since the oldest
+      resident arrived) is not replayed, so under a queue of short requests the credit is
+      too generous.
+    """
+    n = state.n
+    waited = np.asarray(waited_ms, dtype=np.float64)
+    if waited.shape != (n,):
+        raise ValueError(f"waited_ms has shape {waited.shape}, the state has {n} rows")
+    if n == 0:
+        return state, 0.0
+    if not np.all(np.isfinite(waited)):
+        raise ValueError("waited_ms must be finite")
+    waited = np.maximum(waited, 0.0)
+    _check_state(state)
+    waiting = (state.decoded_tokens == 0) & (state.prefilled_tokens == 0)
+    never = np.full(n, np.iinfo(np.int32).max, dtype=np.int64)  # no row finishes in the replay
+    if not waiting.any():
+        w = workload_from_state(
+            InstanceState(state.prompt_tokens, state.prefilled_tokens, state.decoded_tokens, never),
+            sched,
+        )
+        seg = w.plan()
+        return state, (0.5 * seg.base_growth_ms(model)[0] if seg is not None else 0.0)
+    # rows replayed from their arrival: the waiting ones, and the decoding ones of known age
+    # (their prefill also took the engine's steps since the oldest waiting one arrived); the
+    # rest (reported progress, unknown age) are taken as they are from the start
+    decoding = (state.decoded_tokens > 0) & (state.prefilled_tokens >= state.prompt_tokens)
+    fresh = waiting | (decoding & (waited > 0.0))
+    others = np.flatnonzero(~fresh)
+    w = workload_from_state(
+        InstanceState(
+            state.prompt_tokens[others],
+            state.prefilled_tokens[others],
+            state.decoded_tokens[others],
+            never[others],
+        ),
+        sched,
+    )
+    order = np.flatnonzero(fresh)
+    order = order[np.argsort(-waited[order], kind="stable")]  # FCFS: the longest there first
+    arrive = -waited[order]  # ms relative to now
+    cap = kv_capacity_tokens(sched)
+    rows = [int(i) for i in others]  # workload row -> state row
+    t = float(arrive.min())
+    if others.size:
+        seg = w.plan()
+        if seg is not None:
+            t += 0.5 * seg.base_growth_ms(model)[0]
+    k = 0
+    end = 0.0
+    while True:
+        while k < order.size and arrive[k] <= t + 1e-9:
+            i = int(order[k])
+            w.append(np.minimum(state.prompt_tokens[i : i + 1], cap - 1), never[i : i + 1])
+            rows.append(i)
+            k += 1
+        seg = w.plan()
+        if seg is None:  # idle until the next arrival (or now)
+            if k < order.size:
+                t = float(arrive[k])
+                continue
+            end = max(t, 0.0)
+            break
+        base, growth = seg.base_growth_ms(model)
+        if base <= 0.0 and growth <= 0.0:  # a model that prices nothing: no time passes
+            end = 0.0
+            break
+        horizon = min(0.0, float(arrive[k])) if k < order.size else 0.0
+        m = _steps_within(base, growth, horizon - t, seg.steps)
+        if m == 0:  # the next step starts before the horizon and ends after it: it runs
+            m = 1
+        t += seg.total_ms(model, m)
+        w.apply(seg, m)
+        if t >= 0.0:
+            end = t
+            break
+    prefilled = state.prefilled_tokens.copy()
+    decoded = state.decoded_tokens.copy()
+    for r, i in enumerate(rows):
+        if not waiting[i]:
+            continue
+        p = int(min(w.prefilled[r], state.prompt_tokens[i]))
+        if p >= state.prompt_tokens[i]:
+            decoded[i] = 1
+        prefilled[i] = p
+    out = np.maximum(state.predicted_output_tokens, decoded + 1)
+    return InstanceState(state.prompt_tokens, prefilled, decoded, out), float(end)

@@ -81,7 +81,10 @@ class InstanceView:
     (``routing.recalibration``, read from Redis with the snapshot); None: the configured ones.
     ``dispatch_ms``: the delay from a decision to the engine receiving the query (the route
     topic, the worker's poll), as its workers measure it; added to every predicted TTFT,
-    which counts from decision time.
+    which counts from decision time (with the server's own time per request outside engine
+    steps, which the same workers measure and publish with it).
+    ``waited_ms``: per row of ``state``, how long that resident has been at the engine at
+    decision time (from its ``arrived_at``; 0 where unknown); None: not known.
     """
 
     instance_id: str
@@ -95,6 +98,7 @@ class InstanceView:
     prefix_hashes: npt.NDArray[np.uint64] | None = None
     step_time: StepTimeModel | None = None
     dispatch_ms: float = 0.0
+    waited_ms: npt.NDArray[np.float64] | None = None
 
 
 @dataclass(frozen=True)

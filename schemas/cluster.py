@@ -74,6 +74,12 @@ class ModelSpec(BaseModel):
     # predictor was not trained on this model: a stand-in of its tier (a new fine-tune, a
     # renamed deployment, the random-weight CPU models of real-vllm-cpu.yaml). None: ``name``.
     quality_as: str | None = Field(default=None, min_length=1, max_length=128)
+    # What the workers' engine says about prefill before a request's first token. "reported":
+    # its progress (the simulated engine reports each chunk), so a snapshot is current.
+    # "inferred": nothing (a real vLLM streams nothing until the first token), so the router
+    # infers it from how long each resident has been at the engine and takes the step in
+    # flight into account (routing.sfs.catch_up).
+    prefill_progress: Literal["reported", "inferred"] = "reported"
 
     @property
     def predictor_key(self) -> str:

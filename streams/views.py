@@ -8,7 +8,9 @@ Pure functions (no I/O), so the rules are unit-tested without Kafka or Redis:
   ``stale=True``: routers then use the LPS average case and flag the decision;
 - free slots = the model's ``max_concurrency`` minus the slots held in Redis;
 - the resident list holds at least as many running and waiting requests as the engine's
-  own ``/metrics`` counts in the heartbeat (``routing.engine_counts``);
+  own ``/metrics`` counts in the heartbeat (``routing.engine_counts``); each resident's
+  time at the engine (``now - arrived_at``) goes with it (``InstanceView.waited_ms``), for
+  models whose engine reports no prefill progress (``routing.sfs.catch_up``);
 - a model's Eq. 9 coefficients refitted online by its workers (``routing.recalibration``)
   replace the configured ones while their record is at most ``max_age_s`` old
   (:func:`live_step_models`), and so does the dispatch delay (decision → engine) they
@@ -83,6 +85,7 @@ def instance_views(
         age_s = float(info.age_s) if snap is not None else math.inf
         stale = snap is None or age_s > stale_after_s or not snap.healthy
         state = None if stale or snap is None else InstanceState.from_snapshot(snap)
+        waited: npt.NDArray[np.float64] | None = None
         if state is not None:  # at least as many running/waiting as the engine itself reports
             state = reconcile_engine_counts(
                 state,
@@ -93,6 +96,12 @@ def instance_views(
                 kv_capacity_tokens=model.scheduler.kv_blocks * model.scheduler.block_size_tokens,
                 max_model_len=model.max_model_len,
             )
+            assert snap is not None
+            waited = np.zeros(state.n)  # rows the engine counts added: just arrived
+            waited[: len(snap.residents)] = [
+                max(0.0, (now - r.arrived_at) * 1000.0) if r.arrived_at > 0 else 0.0
+                for r in snap.residents
+            ]
         views.append(
             InstanceView(
                 instance_id=spec.id,
@@ -105,6 +114,7 @@ def instance_views(
                 step_time=steps.get(spec.model),
                 dispatch_ms=float(dispatch.get(spec.model, 0.0)),
                 prefix_hashes=info.prefix_hashes,
+                waited_ms=waited,
             )
         )
     return views, excluded

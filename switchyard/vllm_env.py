@@ -85,6 +85,30 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+AUTOGROUP_NICE_ENV = "SWITCHYARD_VLLM_AUTOGROUP_NICE"
+
+
+def prioritise_session(pid: int) -> int | None:
+    """Give the session led by ``pid`` (a server or driver started with a session of its own)
+    the CPU weight ``$SWITCHYARD_VLLM_AUTOGROUP_NICE`` (-20..19) asks for; the nice set, or None
+    when unset or not allowed.
+
+    Linux's autogroup scheduling shares the CPU between sessions first, so a process's own
+    nice does not lift it above the work of other sessions (other users' jobs, a test suite
+    run beside it): on a machine shared while timings are measured, set this (it needs root
+    to go below 0). ``/proc/<pid>/autogroup`` holds a session's nice."""
+    raw = os.environ.get(AUTOGROUP_NICE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        nice = max(-20, min(19, int(raw)))
+        with open(f"/proc/{pid}/autogroup", "w", encoding="ascii") as fh:
+            fh.write(str(nice))
+    except (ValueError, OSError):
+        return None
+    return nice
+
+
 def installed() -> VllmEnv | None:
     """The ready venv, or None if it is missing or unfinished (nothing is started here)."""
     root = env_root()

@@ -201,6 +201,7 @@ def _start(
         child = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
         )
+    autogroup_nice = vllm_env.prioritise_session(child.pid)
     rec = services.ServiceRecord(
         name=RECORD_PREFIX + settings.instance,
         pid=child.pid,
@@ -221,6 +222,7 @@ def _start(
             "kv_cache_gib": settings.kv_cache_gib,
             "prefix_caching": settings.prefix_caching,
             "cpu_bind": cpu_bind or child_env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+            "autogroup_nice": autogroup_nice,
         },
     )
     services._save(rec, home)

@@ -18,3 +18,16 @@ def test_settings_reject_non_positive_values() -> None:
         ProfileSettings(max_num_seqs=0)
     with pytest.raises(ValueError, match="--threads"):
         ProfileSettings(threads=0)
+
+
+def test_a_session_is_prioritised_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from switchyard.vllm_env import AUTOGROUP_NICE_ENV, prioritise_session
+
+    monkeypatch.delenv(AUTOGROUP_NICE_ENV, raising=False)
+    assert prioritise_session(os.getpid()) is None
+    monkeypatch.setenv(AUTOGROUP_NICE_ENV, "not a number")
+    assert prioritise_session(os.getpid()) is None
+    monkeypatch.setenv(AUTOGROUP_NICE_ENV, "0")
+    assert prioritise_session(2**22 + 12345) is None  # no such process

@@ -20,6 +20,13 @@ engine's own count of requests (``/metrics``: running +
 waiting, from the heartbeat) is at most one above the worker's: an engine that other
 clients share runs batches the worker cannot see.
 
+The server's own time per request outside engine steps (API process, IPC to the engine core,
+detokenising, streaming) is measured on requests alone on the engine from their send to their
+first token (nothing in flight when sent, nothing sent before the first token came): their
+engine-side TTFT minus the current model's Eq. 9 prefill; the median of the recent ones
+(:meth:`StepTimeFeed.server_ms`) is published with the dispatch delay, in the same field
+(:meth:`StepTimeFeed.dispatch_ms`), since the router adds both to every TTFT it predicts.
+
 Two live errors are kept over the last ``error_window`` requests: ``router``, the SFS TTFT
 the router predicted at decision time (``Decision.predicted_ttft_ms``) against the TTFT
 measured from the same moment (first token − ``decided_at``), and ``refit``, the current
@@ -76,6 +83,7 @@ class _InFlight:
     first_at: float | None = None
     predicted_ttft_ms: float | None = None  # the router's, from decided_at
     decided_at: float | None = None
+    lone: bool = False  # alone on the engine from its send to its first token
 
 
 @dataclass
@@ -108,6 +116,7 @@ class StepTimeFeed:
         self._err_router: deque[float] = deque(maxlen=config.error_window)
         self._err_refit: deque[float] = deque(maxlen=config.error_window)
         self._dispatch_ms: deque[float] = deque(maxlen=config.error_window)
+        self._server_ms: deque[float] = deque(maxlen=config.error_window)
         self.last: RefitResult | None = None
 
     @property
@@ -143,6 +152,9 @@ class StepTimeFeed:
             if math.isfinite(delay_ms) and 0.0 <= delay_ms <= self.config.max_dispatch_ms:
                 self._dispatch_ms.append(delay_ms)
         self._order += 1
+        for other in self._live.values():  # a prefill it may now share a step with
+            if other.first_at is None:
+                other.lone = False
         self._live[qid] = _InFlight(
             self._order,
             max(1, int(prompt_tokens)),
@@ -151,6 +163,7 @@ class StepTimeFeed:
             self.state(),
             predicted_ttft_ms=predicted_ttft_ms,
             decided_at=decided_at,
+            lone=not self._live,
         )
         self._epoch += 1
 
@@ -192,6 +205,13 @@ class StepTimeFeed:
         self._epoch += 1
         if engine_ttft_ms is None or first_token_at is None:
             return
+        if r.lone and not self._foreign:  # a lone request: its TTFT is one prefill
+            lone = float(self.model.prefill_ms(prompt_tokens or r.prompt_tokens))
+            if (
+                math.isfinite(engine_ttft_ms)
+                and 0.0 < engine_ttft_ms <= self.config.max_dispatch_ms
+            ):
+                self._server_ms.append(engine_ttft_ms - lone)
         if r.predicted_ttft_ms is not None and r.decided_at is not None:
             measured = (first_token_at - r.decided_at) * 1000.0
             if measured > 0:
@@ -228,8 +248,17 @@ class StepTimeFeed:
         return self.last
 
     def dispatch_ms(self) -> float | None:
-        """The dispatch delay to add to the router's TTFT predictions (None: no sample yet)."""
-        return dispatch_estimate_ms(self._dispatch_ms)
+        """The delay to add to the router's TTFT predictions: the dispatch delay plus the
+        server's own time per request (never below 0; None: no sample of either yet)."""
+        d = dispatch_estimate_ms(self._dispatch_ms)
+        s = self.server_ms()
+        if d is None and s is None:
+            return None
+        return max(0.0, (d or 0.0) + (s or 0.0))
+
+    def server_ms(self) -> float | None:
+        """The median of recent lone requests' TTFT minus their Eq. 9 prefill (None: none yet)."""
+        return dispatch_estimate_ms(self._server_ms)
 
     def ttft_error(self, source: str) -> float | None:
         """Mean relative TTFT error of recent requests: ``router`` or ``refit``."""

@@ -18,7 +18,7 @@ import numpy as np
 from routing.prefix import ColumnPrefix
 from routing.profiles import Profiles
 from routing.steptime import StepTimeModel
-from routing.types import FloatArray, InstanceView, IntArray
+from routing.types import FloatArray, InstanceState, InstanceView, IntArray
 from schemas import ClusterConfig, ModelSpec
 
 DEFAULT_OUTPUT_TOKENS = 256.0
@@ -83,7 +83,11 @@ class SfsTtft:
 
     Models without a step-time model (e.g. a cloud endpoint with no profile) get
     TTFT 0 and count as estimates: their latency is not constrained. Every other TTFT
-    counts from decision time: the view's ``dispatch_ms`` (decision → engine) is added.
+    counts from decision time: the view's ``dispatch_ms`` (decision → engine, and the
+    server's own time per request) is added. For a model whose engine reports no prefill
+    progress (``ModelSpec.prefill_progress == "inferred"``, a real vLLM) the snapshot is
+    first caught up to decision time (``routing.sfs.catch_up``: prefill done since each
+    resident arrived, the step in flight).
     """
 
     cluster: ClusterConfig
@@ -98,6 +102,17 @@ class SfsTtft:
 
     def is_estimate(self, view: InstanceView) -> bool:
         return view.state is None or view.stale or self._step(view) is None
+
+    def _now_state(
+        self, view: InstanceView, state: InstanceState, model: StepTimeModel
+    ) -> tuple[InstanceState, float]:
+        """The state SFS starts from and the delay before the engine's next step."""
+        spec = self._spec(view)
+        if spec.prefill_progress != "inferred" or view.waited_ms is None:
+            return state, 0.0
+        from routing.sfs import catch_up
+
+        return catch_up(state, view.waited_ms, model, spec.scheduler)
 
     def _lps(
         self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
@@ -142,11 +157,13 @@ class SfsTtft:
         from routing.sfs import standalone_ttft_ms
 
         spec = self._spec(view)
+        state, delay = self._now_state(view, view.state, model)
         ttft = standalone_ttft_ms(
-            view.state,
+            state,
             prompt_tokens,
             model,
             spec.scheduler,
+            start_delay_ms=delay,
             hit_tokens=None if prefix is None else prefix.hit_tokens,
         )
         return self._never(view, prompt_tokens, ttft)
@@ -164,11 +181,13 @@ class SfsTtft:
         from routing.sfs import estimate_ttft_ms
 
         spec = self._spec(view)
+        state, delay = self._now_state(view, view.state, model)
         ttft = estimate_ttft_ms(
-            view.state,
+            state,
             prompt_tokens,
             model,
             spec.scheduler,
+            start_delay_ms=delay,
             output_tokens=np.maximum(output_tokens, 1),
             hit_tokens=None if prefix is None else prefix.hit_tokens,
             shared_tokens=None if prefix is None else prefix.shared_tokens,

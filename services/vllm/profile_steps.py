@@ -5,7 +5,8 @@ the standard library. ``switchyard profile-vllm`` starts it, then fits Eq. 9 to 
 (``offline/vllm_profile.py``).
 
 How: ``LLMEngine`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core (scheduler
-and model executor) in this process. The core's ``step_fn`` (schedule, execute the model,
+and model executor) in this process; with ``--executor mp`` (the default) the model runs in a
+worker process of its own, pinned by vLLM, as under ``vllm serve``. The core's ``step_fn`` (schedule, execute the model,
 update from its output) is wrapped to time each call (``time.perf_counter``) and the
 scheduler's ``schedule`` to record what it put in the step: per request the tokens scheduled
 now, the tokens it had computed before (its context) and its prompt length. Requests are
@@ -107,6 +108,13 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--executor",
+        choices=("mp", "uni"),
+        default="mp",
+        help="mp: the model in a worker process of its own, pinned, as `vllm serve` runs it "
+        "(each step pays the engine core's round trip to it); uni: in this process",
+    )
     ap.add_argument("--command", default="", help="the user's command line, for provenance")
     args = ap.parse_args()
 
@@ -141,6 +149,7 @@ def main() -> int:
             enforce_eager=True,
             disable_log_stats=True,
             seed=args.seed,
+            distributed_executor_backend=args.executor,
         )
     )
     init_s = time.perf_counter() - t_init
@@ -182,6 +191,7 @@ def main() -> int:
                     "load_format": args.load_format,
                     "enforce_eager": True,
                     "prefix_caching": False,
+                    "executor": args.executor,
                     "engine_init_s": round(init_s, 1),
                 },
                 "experiments": len(plan),

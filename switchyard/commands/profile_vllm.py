@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
             help="Model directory vLLM loads (default: the shipped random-weight Qwen3 shape)",
         ),
         name: str = typer.Option(
-            None, "--name", help="Profile name <model>@<device> (default: qwen3-tiny@cpu)"
+            None, "--name", help="Profile name <model>@<device> (default: qwen3-<shape>@cpu)"
         ),
         out: Path = typer.Option(
             Path("profile-vllm.json"),
@@ -47,6 +47,17 @@ def register(app: typer.Typer) -> None:
         max_model_len: int = typer.Option(2048, "--max-model-len"),
         kv_cache_gib: int = typer.Option(1, "--kv-cache-gib", help="VLLM_CPU_KVCACHE_SPACE"),
         threads: int = typer.Option(1, "--threads", help="OMP_NUM_THREADS of the engine"),
+        shape: str = typer.Option(
+            "tiny",
+            "--shape",
+            help="Named random-weight Qwen3 shape (switchyard.vllm_model.SHAPES) when no --model",
+        ),
+        executor: str = typer.Option(
+            "mp",
+            "--executor",
+            help="mp: the model in a pinned worker process, as `vllm serve` runs it; "
+            "uni: in the engine core's process",
+        ),
         reps: int = typer.Option(
             3, "--reps", help="Run the sweep this many times; each batch's median time is fitted"
         ),
@@ -78,25 +89,28 @@ def register(app: typer.Typer) -> None:
                     threads=threads,
                     quick=quick,
                     reps=reps,
+                    executor=executor,
                 )
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from exc
-            model_dir = model or vllm_model.make_model_dir(vllm_model.ModelShape())
+            if shape not in vllm_model.SHAPES:
+                raise typer.BadParameter(f"--shape {shape}: known: {sorted(vllm_model.SHAPES)}")
+            model_dir = model or vllm_model.make_model_dir(vllm_model.SHAPES[shape])
             if model is not None and not (model / "config.json").is_file():
                 raise typer.BadParameter(f"--model {model}: no config.json there")
             try:
                 summary = vllm_profiling.run_driver(
                     model_dir,
-                    name or "qwen3-tiny@cpu",
+                    name or f"qwen3-{shape}@cpu",
                     steps_path,
                     settings,
                     command=vllm_profiling.command_line(
                         [
                             "switchyard",
                             "profile-vllm",
-                            *(["--model", str(model)] if model else []),
+                            *(["--model", str(model)] if model else ["--shape", shape]),
                             "--name",
-                            name or "qwen3-tiny@cpu",
+                            name or f"qwen3-{shape}@cpu",
                             "--max-num-seqs",
                             str(max_num_seqs),
                             "--max-num-batched-tokens",
@@ -109,6 +123,8 @@ def register(app: typer.Typer) -> None:
                             str(threads),
                             "--reps",
                             str(reps),
+                            "--executor",
+                            executor,
                             *(["--quick"] if quick else []),
                         ]
                     ),  # the settings as given (not sys.argv: no local paths, same in tests)
@@ -123,7 +139,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
-        prof_name = (name or str(header.get("model") or "qwen3-tiny@cpu")).lower()
+        prof_name = (name or str(header.get("model") or f"qwen3-{shape}@cpu")).lower()
         rec["provenance"]["steps_file"] = steps_path.name
         doc = {"version": 1, "profiles": {prof_name: rec}}
         out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offline.vllm_replay import ReplayRecord, evaluate
+from offline.vllm_replay import ReplayRecord, evaluate, server_ms_of
 from routing.steptime import StepTimeModel
 from schemas import SchedulerConfig
 from sim.timing import LinearTiming
@@ -20,7 +20,7 @@ SCHED = SchedulerConfig(
 
 
 def _rec(
-    i: int, sent_s: float, prompt: int, ttft_ms: float, residents: list[list[int]]
+    i: int, sent_s: float, prompt: int, ttft_ms: float, residents: list[list[float]]
 ) -> ReplayRecord:
     r = ReplayRecord(f"r{i}", sent_s, prompt, 8, sent_s=sent_s, ttft_s=ttft_ms / 1e3, e2e_s=1.0)
     r.generated_tokens = 8
@@ -33,13 +33,23 @@ def test_an_idle_server_is_priced_by_one_prefill_step() -> None:
     ev = evaluate(recs, M, SCHED, engine_timing=LinearTiming(M))
     assert ev["n"] == 4 and ev["errors"] == 0
     assert ev["mape_sfs_predicted"] == pytest.approx(0.0, abs=1e-9)
+    assert ev["mape_sfs_plain"] == pytest.approx(0.0, abs=1e-9)
     assert ev["mape_sim_engine"] == pytest.approx(0.0, abs=1e-9)
-    off = evaluate(recs, M, SCHED, overhead_ms=11.0)
+    off = evaluate(recs, M, SCHED, server_ms=11.0)
     assert off["mape_sfs_real_lengths"] == pytest.approx(0.1)
+    assert off["mape_sfs_plain"] == pytest.approx(0.0, abs=1e-9)  # before: no server time
+
+
+def test_server_time_is_calibrated_on_lone_requests() -> None:
+    lone = [_rec(i, float(i), 100, t, []) for i, t in enumerate((113.0, 117.0, 200.0))]
+    busy = _rec(9, 9.0, 100, 900.0, [[100, 100, 3, 8, 50.0]])
+    assert server_ms_of([*lone, busy], M) == pytest.approx(7.0)  # median of 3, 7, 90
+    with pytest.raises(ValueError, match="idle"):
+        server_ms_of([busy], M)
 
 
 def test_queued_prompts_delay_the_estimate_and_errors_are_counted() -> None:
-    busy = [[400, 0, 0, 8]]  # a 400-token prompt waiting ahead
+    busy = [[400, 0, 0, 8]]  # a 400-token prompt waiting ahead (no age: just sent)
     recs = [_rec(0, 0.0, 100, 510.0, busy), _rec(1, 5.0, 100, 110.0, [])]
     bad = ReplayRecord("x", 1.0, 10, 1, error="HTTP 400: too long")
     ev = evaluate([*recs, bad], M, SCHED)
@@ -50,17 +60,13 @@ def test_queued_prompts_delay_the_estimate_and_errors_are_counted() -> None:
         evaluate([bad], M, SCHED)
 
 
-def test_a_busy_engine_adds_half_its_step_in_flight() -> None:
-    from offline.vllm_replay import in_flight_ms
-
-    assert in_flight_ms([], M, SCHED) == 0.0
-    # two decodes at 100 + 3 tokens of context: half of c0 + 2 tokens + 206 ctx tokens
-    assert in_flight_ms([[100, 100, 3, 8], [100, 100, 3, 8]], M, SCHED) == pytest.approx(
-        0.5 * (10.0 + 2.0 + 0.002 * 206)
-    )
-    # a waiting 1,000-token prompt: the step takes the 512-token budget
-    assert in_flight_ms([[1000, 0, 0, 8]], M, SCHED) == pytest.approx(0.5 * (10.0 + 512.0))
-    recs = [_rec(0, 0.0, 100, 400.0, [[1000, 0, 0, 8]])]
-    a = evaluate(recs, M, SCHED)["mean_ms_sfs_real_lengths"]
-    b = evaluate(recs, M, SCHED, step_in_flight=True)["mean_ms_sfs_real_lengths"]
-    assert b == pytest.approx(a + 261.0, abs=0.2)
+def test_a_waiting_resident_is_credited_with_its_time_at_the_engine() -> None:
+    # a 1,000-token prompt sent 300 ms before: its first 512-token step (522 ms) is in
+    # flight, 222 ms from its end; then its last 488 tokens with the new prompt's first 24
+    # (522 ms); then the new prompt's last 76 beside the old one's first decode (10 + 77 +
+    # 0.002 x 1,000 context tokens)
+    recs = [_rec(0, 0.0, 100, 833.0, [[1000, 0, 0, 8, 300.0]])]
+    ev = evaluate(recs, M, SCHED)
+    assert ev["mean_ms_sfs_real_lengths"] == pytest.approx(222.0 + 522.0 + 89.0, abs=0.5)
+    # the plain snapshot prices the whole prompt from now: one more 522-ms step's worth
+    assert ev["mean_ms_sfs_plain"] == pytest.approx(522.0 + 522.0 + 89.0, abs=0.5)

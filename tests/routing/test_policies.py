@@ -489,3 +489,39 @@ def test_the_dispatch_delay_is_in_every_predicted_ttft_and_the_slo_check() -> No
     for d in ds:
         assert d.predicted_ttft_ms is not None and d.predicted_ttft_ms >= 450.0
         assert DecisionFlag.SLO_INFEASIBLE in d.flags
+
+
+def test_an_engine_without_prefill_progress_is_caught_up_to_decision_time() -> None:
+    """``prefill_progress: inferred`` (a real vLLM): a resident without its first token has
+    been prefilling since it arrived (``InstanceView.waited_ms``); "reported": the snapshot
+    is taken as current."""
+    from dataclasses import replace
+
+    from routing.sfs import catch_up, standalone_ttft_ms
+    from routing.steptime import StepTimeModel
+
+    step = StepTimeModel(5.0, 0.1, 0.0, 0.0)
+    base = cluster()
+    inferred = base.model_copy(
+        update={
+            "models": [m.model_copy(update={"prefill_progress": "inferred"}) for m in base.models]
+        }
+    )
+    waiting = InstanceState(np.array([2000]), np.array([0]), np.array([0]), np.array([50]))
+    v = InstanceView("s0", "small", waiting, free_slots=4, waited_ms=np.array([150.0]))
+    prompts, outs = np.array([300]), np.array([20])
+    reported = RouterContext.build(base, FakeQuality(), FakeLength(), step_time={"small": step})
+    caught = RouterContext.build(inferred, FakeQuality(), FakeLength(), step_time={"small": step})
+    plain = reported.ttft_model.standalone_ms(v, prompts, outs)[0]
+    assert plain == pytest.approx(standalone_ttft_ms(waiting, prompts, step, base.models[0].scheduler)[0])
+    st, delay = catch_up(waiting, np.array([150.0]), step, inferred.models[0].scheduler)
+    want = standalone_ttft_ms(st, prompts, step, inferred.models[0].scheduler, start_delay_ms=delay)
+    assert caught.ttft_model.standalone_ms(v, prompts, outs)[0] == pytest.approx(want[0])
+    assert want[0] < plain - 100.0  # 150 ms of the 2,000-token prefill are already done
+    assert caught.ttft_model.in_order_ms(v, prompts, outs)[0] < reported.ttft_model.in_order_ms(
+        v, prompts, outs
+    )[0]
+    # no ages known: nothing to catch up
+    assert caught.ttft_model.standalone_ms(replace(v, waited_ms=None), prompts, outs)[0] == (
+        pytest.approx(plain)
+    )

@@ -175,3 +175,22 @@ def test_each_models_measured_dispatch_delay_reaches_its_views_while_fresh() -> 
         CLUSTER, live, 1000.0, 2.0, dispatch_ms=live_dispatch_ms(recs, 1000.0, 600.0)
     )
     assert {v.instance_id: v.dispatch_ms for v in views} == {"s0": 42.0, "s1": 42.0, "l0": 0.0}
+
+
+def test_views_carry_each_residents_time_at_the_engine() -> None:
+    now = 1000.0
+    rs = [
+        ResidentRequest(query_id="a", prompt_tokens=100, arrived_at=now - 0.25),
+        ResidentRequest(query_id="b", prompt_tokens=100, arrived_at=now + 1.0),  # clock skew
+        ResidentRequest(query_id="c", prompt_tokens=100),  # no stamp: unknown
+    ]
+    s = InstanceSnapshot(instance_id="s0", model="s", taken_at=now - 0.1, residents=rs)
+    live = {"s0": Live(s, 3, True, 0.1, engine_running=0, engine_waiting=5)}
+    views, _ = instance_views(CLUSTER, live, now, stale_after_s=2.0)
+    v = next(v for v in views if v.instance_id == "s0")
+    assert v.state is not None and v.state.n == 5  # two waiting rows added from the engine
+    assert v.waited_ms is not None
+    assert v.waited_ms.tolist() == pytest.approx([250.0, 0.0, 0.0, 0.0, 0.0])
+    stale = {"s0": Live(s, 3, True, 10.0)}
+    views, _ = instance_views(CLUSTER, stale, now, stale_after_s=2.0)
+    assert next(v for v in views if v.instance_id == "s0").waited_ms is None

@@ -102,3 +102,20 @@ def test_the_feed_keeps_each_requests_decision_to_engine_delay() -> None:
     for k in range(3):  # the window keeps the last error_window samples
         feed.sent(f"f{k}", 100, 10, 20.005, decided_at=20.0)
     assert feed.dispatch_ms() == pytest.approx(5.0)
+
+
+def test_lone_requests_measure_the_servers_own_time_published_with_the_dispatch() -> None:
+    feed = StepTimeFeed(PRIOR, SCHED, StepTimeFeedConfig(error_window=8))
+    assert feed.server_ms() is None
+    lone = float(PRIOR.prefill_ms(200))
+    for k, extra in enumerate((6.0, 8.0, 7.0)):  # each alone on the engine
+        feed.sent(f"a{k}", 200, 10, 100.0 + k)
+        feed.finished(f"a{k}", lone + extra, 100.0 + k + 0.01)
+    feed.sent("b", 200, 10, 200.0)  # not alone: "c" joins while it is in flight
+    feed.sent("c", 200, 10, 200.001)
+    feed.finished("c", lone + 500.0, 200.6)
+    feed.finished("b", lone + 500.0, 200.6)
+    assert feed.server_ms() == pytest.approx(7.0)
+    assert feed.dispatch_ms() == pytest.approx(7.0)  # no dispatch sample yet: the server's
+    feed.sent("d", 200, 10, 300.020, decided_at=300.0)
+    assert feed.dispatch_ms() == pytest.approx(20.0 + 7.0)
