@@ -263,6 +263,8 @@ COLUMNS = (
     ("sfs_residents_real_lengths", "catch-up, residents only (real lengths)"),
     ("sfs_predicted", "SFS (predicted lengths)"),
     ("sfs_real_lengths", "SFS (real lengths)"),
+    ("sfs_later_predicted", "SFS + later arrivals (predicted)"),
+    ("sfs_later_real_lengths", "SFS + later arrivals (real lengths)"),
     ("sim_engine", "sim engine"),
     ("throughput_baseline", "throughput"),
 )
