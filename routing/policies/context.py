@@ -97,6 +97,10 @@ class SfsTtft:
 
     cluster: ClusterConfig
     step_time: Mapping[str, StepTimeModel]
+    # the last catch-up per instance: a window asks for one view's TTFTs more than once
+    _caught: dict[
+        str, tuple[InstanceView, InstanceState, StepTimeModel, InstanceState, float]
+    ] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _spec(self, view: InstanceView) -> ModelSpec:
         return self.cluster.model(view.model)
@@ -115,9 +119,14 @@ class SfsTtft:
         spec = self._spec(view)
         if spec.prefill_progress != "inferred" or view.waited_ms is None:
             return state, 0.0
+        hit = self._caught.get(view.instance_id)
+        if hit is not None and hit[0] is view and hit[1] is state and hit[2] == model:
+            return hit[3], hit[4]  # the same view again (standalone, then in order)
         from routing.sfs import catch_up
 
-        return catch_up(state, view.waited_ms, model, spec.scheduler, view.finished)
+        caught, delay = catch_up(state, view.waited_ms, model, spec.scheduler, view.finished)
+        self._caught[view.instance_id] = (view, state, model, caught, delay)
+        return caught, delay
 
     def _later(self, view: InstanceView, state: InstanceState) -> LaterArrivals | None:
         """For a model whose engine reports no prefill progress, the requests expected to
