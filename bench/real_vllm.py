@@ -259,6 +259,8 @@ def rescore(run: Path, records: Path) -> dict[str, Any]:
 
 COLUMNS = (
     ("sfs_plain", "SFS before (stream snapshot)"),
+    ("sfs_residents_predicted", "catch-up, residents only (predicted)"),
+    ("sfs_residents_real_lengths", "catch-up, residents only (real lengths)"),
     ("sfs_predicted", "SFS (predicted lengths)"),
     ("sfs_real_lengths", "SFS (real lengths)"),
     ("sim_engine", "sim engine"),

@@ -7,7 +7,9 @@ generated so far) and returns one :class:`ReplayRecord` per request: its real TT
 first streamed token) and the instance snapshot at the moment it was sent, built the way a
 worker builds it from its own streams: every request in flight on that server, with its
 prompt, whether its first token has come back (prefilled), the tokens streamed so far and how
-long ago it was sent (what the router reads from a resident's ``arrived_at``).
+long ago it was sent (what the router reads from a resident's ``arrived_at``), and the
+requests that finished recently (``finished``: what a worker publishes beside its residents,
+bounded as it is: ``state.FINISHED_KEEP`` newest, within ``state.FINISHED_KEEP_S``).
 
 :func:`evaluate` (pure) prices those snapshots with SFS (predicted and real output lengths),
 runs the simulated engine on the same send times, and the throughput baseline, and gives the
@@ -29,8 +31,9 @@ import numpy.typing as npt
 from routing.sfs import catch_up, standalone_ttft_ms
 from routing.steptime import StepTimeModel
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
-from routing.types import InstanceState
+from routing.types import InstanceState, RecentFinished
 from schemas import SchedulerConfig
+from state import FINISHED_KEEP, FINISHED_KEEP_S
 from wiring.sse import SSEParser, interpret
 
 FloatArray = npt.NDArray[np.float64]
@@ -58,6 +61,10 @@ class ReplayRecord:
     # the snapshot at send: per resident [prompt, prefilled, decoded, real output length,
     # ms since it was sent]
     residents: list[list[float]] = field(default_factory=list)
+    # requests finished before the send, newest first, as a worker publishes them (at most
+    # FINISHED_KEEP, within FINISHED_KEEP_S): [prompt, output tokens, ms since it was sent,
+    # ms since it finished]; None: not recorded (records of an older bench)
+    finished: list[list[float]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -89,6 +96,7 @@ async def replay(
         [rng.randrange(10, vocab_size - 10) for _ in range(r.prompt_tokens)] for r in requests
     ]
     inflight: dict[str, _InFlight] = {}
+    done: list[tuple[float, float, int, int]] = []  # (finished, sent, prompt, output), in order
     records = [
         ReplayRecord(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in requests
     ]
@@ -106,6 +114,11 @@ async def replay(
             rec.residents = [
                 [f.prompt, f.prompt if f.first else 0, f.decoded, f.output, (now - f.sent) * 1e3]
                 for f in inflight.values()
+            ]
+            rec.finished = [
+                [p, o, (now - s) * 1e3, (now - e) * 1e3]
+                for e, s, p, o in reversed(done[-FINISHED_KEEP:])
+                if now - e <= FINISHED_KEEP_S
             ]
             me = inflight[r.request_id] = _InFlight(r.prompt_tokens, r.output_tokens, now)
             body = {
@@ -135,8 +148,11 @@ async def replay(
                                 me.first = True
                                 rec.ttft_s = time.monotonic() - sent
                             me.decoded = max(me.decoded, n)
-                rec.e2e_s = time.monotonic() - sent
+                ended = time.monotonic()
+                rec.e2e_s = ended - sent
                 rec.generated_tokens = me.decoded
+                if me.decoded >= 1:
+                    done.append((ended, sent, r.prompt_tokens, me.decoded))
             except (httpx.HTTPError, ValueError) as exc:
                 rec.error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -177,6 +193,24 @@ def _waited_ms(residents: list[list[float]]) -> FloatArray:
     return np.asarray([r[4] if len(r) > 4 else 0.0 for r in residents], dtype=np.float64)
 
 
+def _finished(rec: ReplayRecord, ok: list[ReplayRecord]) -> RecentFinished:
+    """The requests finished before ``rec`` was sent, as its record has them, or (records of
+    an older bench) as the level's records give them, bounded the same way."""
+    rows = rec.finished
+    if rows is None:
+        ends = sorted(
+            ((r.sent_s + r.e2e_s, r) for r in ok if r.sent_s + r.e2e_s <= rec.sent_s),
+            key=lambda x: x[0],
+        )
+        rows = [
+            [r.prompt_tokens, r.generated_tokens, (rec.sent_s - r.sent_s) * 1e3,
+             (rec.sent_s - e) * 1e3]
+            for e, r in reversed(ends[-FINISHED_KEEP:])
+            if rec.sent_s - e <= FINISHED_KEEP_S and r.generated_tokens >= 1
+        ]  # fmt: skip
+    return RecentFinished.of(np.asarray([x[:4] for x in rows], dtype=np.float64).reshape(-1, 4))
+
+
 def server_ms_of(records: list[ReplayRecord], model: StepTimeModel) -> float:
     """The server's own time per request outside engine steps (API process, IPC to the engine
     core, detokenising, streaming; and what the step-time model misses on a lone prefill):
@@ -209,8 +243,11 @@ def evaluate(
       finished before the send), nothing outside engine steps: SFS before issue 18;
     * ``sfs_predicted``: SFS as the router runs it on a real vLLM: the snapshot caught up to
       the moment of sending (``routing.sfs.catch_up``: prefill done since each resident
-      arrived, the step in flight) plus ``server_ms`` (:func:`server_ms_of`), predicted
-      output lengths; ``sfs_real_lengths``: the same with the real output lengths;
+      arrived, with the requests that finished meanwhile, the step in flight) plus
+      ``server_ms`` (:func:`server_ms_of`), predicted output lengths; ``sfs_real_lengths``:
+      the same with the real output lengths;
+    * ``sfs_residents_predicted`` / ``sfs_residents_real_lengths``: the same, the catch-up
+      replaying the residents only (before the finished requests were published);
     * ``sim_engine``: the simulated engine (``engine_timing``: a ``sim.timing`` source) run on
       the same send times, plus ``server_ms``;
     * ``throughput_baseline``: queued prompt tokens over the engine's prefill throughput.
@@ -222,7 +259,7 @@ def evaluate(
         raise ValueError("no request finished without an error")
     real = np.array([r.ttft_s * 1e3 for r in ok])
     tput = prefill_tokens_per_s(model, sched)
-    plain, sfs_pred, sfs_real, thr = (np.zeros(len(ok)) for _ in range(4))
+    plain, sfs_pred, sfs_real, thr, res_pred, res_real = (np.zeros(len(ok)) for _ in range(6))
     done_sorted = sorted((r.sent_s + r.e2e_s, r.generated_tokens) for r in ok)
     for i, r in enumerate(ok):
         fin = [g for t, g in done_sorted if t <= r.sent_s]
@@ -231,16 +268,23 @@ def evaluate(
         waited = _waited_ms(r.residents)
         predicted, real_len = _state(r.residents, pred), _state(r.residents, None)
         plain[i] = standalone_ttft_ms(predicted, p, model, sched)[0]
-        st, delay = catch_up(predicted, waited, model, sched)
-        sfs_pred[i] = server_ms + standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay)[0]
-        st, delay = catch_up(real_len, waited, model, sched)
-        sfs_real[i] = server_ms + standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay)[0]
+        recent = _finished(r, ok)
+        for dest, st0, done in (
+            (sfs_pred, predicted, recent),
+            (sfs_real, real_len, recent),
+            (res_pred, predicted, None),
+            (res_real, real_len, None),
+        ):
+            st, delay = catch_up(st0, waited, model, sched, done)
+            dest[i] = server_ms + standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay)[0]
         thr[i] = throughput_ttft_ms(real_len, p, tput)[0]
     out: dict[str, Any] = {"n": len(ok), "errors": len(records) - len(ok), "server_ms": server_ms}
     est = {
         "sfs_plain": plain,
         "sfs_predicted": sfs_pred,
         "sfs_real_lengths": sfs_real,
+        "sfs_residents_predicted": res_pred,
+        "sfs_residents_real_lengths": res_real,
         "throughput_baseline": thr,
     }
     if engine_timing is not None:

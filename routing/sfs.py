@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from routing.scheduling import Workload, kv_capacity_tokens
 from routing.steptime import StepTimeModel
-from routing.types import InstanceState
+from routing.types import InstanceState, RecentFinished
 from schemas import SchedulerConfig
 
 IntArray = npt.NDArray[np.int64]
@@ -472,11 +472,29 @@ def _steps_within(base_ms: float, growth_ms: float, span_ms: float, cap: int) ->
     return m
 
 
+def _finished_in_replay(finished: RecentFinished | None, start_ms: float) -> tuple[IntArray, float]:
+    """Rows of ``finished`` the replay from ``start_ms`` (ms relative to now, <= 0) must
+    include: those that left after the replay starts. One that arrived before that start
+    moves the start back to its arrival, which may take in more: repeated until nothing
+    changes (at most once per row). Returns the rows and the replay's start."""
+    if finished is None or finished.n == 0:
+        return np.zeros(0, dtype=np.int64), start_ms
+    left_at = -finished.finished_ms
+    arrived_at = -finished.arrived_ms
+    while True:
+        sel = np.flatnonzero(left_at > start_ms)
+        new_start = min(start_ms, float(arrived_at[sel].min())) if sel.size else start_ms
+        if new_start >= start_ms:
+            return sel, start_ms
+        start_ms = new_start
+
+
 def catch_up(
     state: InstanceState,
     waited_ms: FloatArray,
     model: StepTimeModel,
     sched: SchedulerConfig,
+    finished: RecentFinished | None = None,
 ) -> tuple[InstanceState, float]:
     """What the engine did since each resident reached it: the state SFS should start from,
     and the time until the engine's step in flight ends (SFS's ``start_delay_ms``).
@@ -486,22 +504,30 @@ def catch_up(
     engine has been prefilling it since it arrived; and a new request joins only at the
     next step boundary (vLLM schedules between steps), so it first waits for the step in
     flight. ``waited_ms[i]``: how long resident ``i`` has been at the engine.
+    ``finished``: requests that left the instance recently (``RecentFinished``: arrival,
+    prompt, output and departure); those that left after the replay starts took the
+    engine's steps in it, and the replay runs them too.
 
     * No resident waiting for its first token: the step in flight is the residents' next
       decode step at an unknown phase, so half of it remains on average.
     * Otherwise the scheduler (``routing.scheduling``, FCFS with chunked prefill) replays
-      the past: from the oldest resident's arrival every step is priced with Eq. 9 and each
-      resident joins, as a fresh prompt, at the first step boundary after its arrival (the
-      decoding ones too: their prefill took the engine's steps then); none finishes in the
-      replay. Rows of unknown age (``waited_ms`` 0) that decode, and rows with reported
-      prefill progress, are taken as they are now from the start (after half the step
-      then in flight).
+      the past: from the oldest resident's arrival (earlier where a finished request that
+      left after it had arrived earlier) every step is priced with Eq. 9 and each resident
+      and each such finished request joins, as a fresh prompt, at the first step boundary
+      after its arrival (the decoding residents too: their prefill took the engine's steps
+      then). Residents never finish in the replay; a finished request leaves once it has
+      produced its output tokens. Rows of unknown age (``waited_ms`` 0) that decode, and
+      rows with reported prefill progress, are taken as they are now from the start (after
+      half the step then in flight).
     * The step running at the present moment is the step in flight: the state after it is
       returned with the time until it ends. A waiting resident the replay completes before
       then is counted prefilled by the end of the step in flight (its first token is on its
-      way). Work the snapshot no longer lists (requests that came and went since the oldest
-      resident arrived) is not replayed, so under a queue of short requests the credit is
-      too generous.
+      way). Requests that left before the replay starts, or that the snapshot no longer
+      lists (``finished`` is bounded), are not replayed.
+
+    Cost: one scheduler replay over the residents and the selected finished requests (a
+    segment per arrival, admission and departure), so it grows with how many the caller
+    passes, not with the number of steps.
     """
     n = state.n
     waited = np.asarray(waited_ms, dtype=np.float64)
@@ -514,7 +540,7 @@ def catch_up(
     waited = np.maximum(waited, 0.0)
     _check_state(state)
     waiting = (state.decoded_tokens == 0) & (state.prefilled_tokens == 0)
-    never = np.full(n, np.iinfo(np.int32).max, dtype=np.int64)  # no row finishes in the replay
+    never = np.full(n, np.iinfo(np.int32).max, dtype=np.int64)  # no resident finishes in the replay
     if not waiting.any():
         w = workload_from_state(
             InstanceState(state.prompt_tokens, state.prefilled_tokens, state.decoded_tokens, never),
@@ -537,12 +563,29 @@ def catch_up(
         ),
         sched,
     )
-    order = np.flatnonzero(fresh)
-    order = order[np.argsort(-waited[order], kind="stable")]  # FCFS: the longest there first
-    arrive = -waited[order]  # ms relative to now
     cap = kv_capacity_tokens(sched)
-    rows = [int(i) for i in others]  # workload row -> state row
-    t = float(arrive.min())
+    res_rows = np.flatnonzero(fresh)
+    fin_rows, _ = _finished_in_replay(finished, float(-waited[res_rows].max()))
+    # arrivals in FCFS order (ms relative to now): residents are state rows (>= 0), finished
+    # requests -1 - their row in ``finished``; at equal times a finished request came first
+    arrive = np.concatenate(
+        [-waited[res_rows], -finished.arrived_ms[fin_rows] if finished is not None else []]
+    )
+    label = np.concatenate([res_rows, -1 - fin_rows])
+    prompts = np.concatenate(
+        [state.prompt_tokens[res_rows], finished.prompt_tokens[fin_rows] if finished is not None
+         else np.zeros(0, dtype=np.int64)]
+    )  # fmt: skip
+    outs = np.concatenate(
+        [never[res_rows], finished.output_tokens[fin_rows] if finished is not None
+         else np.zeros(0, dtype=np.int64)]
+    )  # fmt: skip
+    order = np.lexsort((label, arrive))
+    arrive, label = arrive[order], label[order]
+    prompts = np.minimum(prompts[order].astype(np.int64), cap - 1)
+    outs = np.maximum(outs[order].astype(np.int64), 1)
+    rows = [int(i) for i in others]  # workload row -> state row (finished: negative)
+    t = float(arrive.min())  # the replay's start
     if others.size:
         seg = w.plan()
         if seg is not None:
@@ -550,14 +593,13 @@ def catch_up(
     k = 0
     end = 0.0
     while True:
-        while k < order.size and arrive[k] <= t + 1e-9:
-            i = int(order[k])
-            w.append(np.minimum(state.prompt_tokens[i : i + 1], cap - 1), never[i : i + 1])
-            rows.append(i)
+        while k < arrive.size and arrive[k] <= t + 1e-9:
+            w.append(prompts[k : k + 1], outs[k : k + 1])
+            rows.append(int(label[k]))
             k += 1
         seg = w.plan()
         if seg is None:  # idle until the next arrival (or now)
-            if k < order.size:
+            if k < arrive.size:
                 t = float(arrive[k])
                 continue
             end = max(t, 0.0)
@@ -566,19 +608,23 @@ def catch_up(
         if base <= 0.0 and growth <= 0.0:  # a model that prices nothing: no time passes
             end = 0.0
             break
-        horizon = min(0.0, float(arrive[k])) if k < order.size else 0.0
+        horizon = min(0.0, float(arrive[k])) if k < arrive.size else 0.0
         m = _steps_within(base, growth, horizon - t, seg.steps)
         if m == 0:  # the next step starts before the horizon and ends after it: it runs
             m = 1
         t += seg.total_ms(model, m)
-        w.apply(seg, m)
+        done = w.apply(seg, m)
         if t >= 0.0:
             end = t
             break
+        if done.finished.size:  # only finished requests can (residents never do)
+            w.remove(done.finished)
+            gone = set(done.finished.tolist())
+            rows = [r for j, r in enumerate(rows) if j not in gone]
     prefilled = state.prefilled_tokens.copy()
     decoded = state.decoded_tokens.copy()
     for r, i in enumerate(rows):
-        if not waiting[i]:
+        if i < 0 or not waiting[i]:
             continue
         p = int(min(w.prefilled[r], state.prompt_tokens[i]))
         if p >= state.prompt_tokens[i]:

@@ -71,6 +71,53 @@ class InstanceState:
 
 
 @dataclass(frozen=True)
+class RecentFinished:
+    """Requests that left an instance recently, one row each: what they took of the engine
+    while the residents waited (``routing.sfs.catch_up`` replays them with the residents).
+
+    ``arrived_ms``: how long before now each reached the engine; ``finished_ms``: how long
+    before now it left (its last token); ``output_tokens``: tokens it produced (>= 1).
+    """
+
+    prompt_tokens: IntArray
+    output_tokens: IntArray
+    arrived_ms: FloatArray
+    finished_ms: FloatArray
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_tokens)
+        for name in ("output_tokens", "arrived_ms", "finished_ms"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"RecentFinished.{name} has {len(getattr(self, name))} rows, expected {n}")
+        if n:
+            if (self.prompt_tokens < 0).any() or (self.output_tokens < 1).any():
+                raise ValueError("RecentFinished: prompt_tokens must be >= 0 and output_tokens >= 1")
+            if not (np.isfinite(self.arrived_ms).all() and np.isfinite(self.finished_ms).all()):
+                raise ValueError("RecentFinished: arrived_ms and finished_ms must be finite")
+            bad = np.flatnonzero(self.finished_ms > self.arrived_ms)
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(
+                    f"RecentFinished row {i}: it left {float(self.finished_ms[i]):.1f} ms ago, "
+                    f"before it arrived ({float(self.arrived_ms[i]):.1f} ms ago)"
+                )
+
+    @property
+    def n(self) -> int:
+        return len(self.prompt_tokens)
+
+    @classmethod
+    def of(
+        cls, rows: Sequence[tuple[int, int, float, float]] | npt.NDArray[np.float64]
+    ) -> RecentFinished:
+        """From rows ``(prompt, output, arrived_ms, finished_ms)``."""
+        a = np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+        return cls(
+            a[:, 0].astype(np.int64), a[:, 1].astype(np.int64), a[:, 2].copy(), a[:, 3].copy()
+        )
+
+
+@dataclass(frozen=True)
 class InstanceView:
     """What a router knows about one instance at decision time.
 
@@ -85,6 +132,8 @@ class InstanceView:
     steps, which the same workers measure and publish with it).
     ``waited_ms``: per row of ``state``, how long that resident has been at the engine at
     decision time (from its ``arrived_at``; 0 where unknown); None: not known.
+    ``finished``: requests that left the instance recently (the snapshot's ``finished``),
+    timed from decision time; None: none known.
     """
 
     instance_id: str
@@ -99,6 +148,7 @@ class InstanceView:
     step_time: StepTimeModel | None = None
     dispatch_ms: float = 0.0
     waited_ms: npt.NDArray[np.float64] | None = None
+    finished: RecentFinished | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from schemas.messages import (
 )
 from schemas.parse import BadMessage, Limits, decode_json, parse_model, parse_query
 from schemas.query import ChatMessage, Query
-from schemas.state import InstanceSnapshot, ResidentRequest
+from schemas.state import FinishedRequest, InstanceSnapshot, ResidentRequest
 
 TOPIC_BODIES = {
     "queries": Query,
@@ -46,6 +46,7 @@ __all__ = [
     "Decision",
     "DecisionFlag",
     "DecisionStatus",
+    "FinishedRequest",
     "InstanceSnapshot",
     "InstanceSpec",
     "Limits",

@@ -30,8 +30,32 @@ class ResidentRequest(BaseModel):
         return self
 
 
+class FinishedRequest(BaseModel):
+    """A request that left the instance recently: when it reached the engine
+    (``arrived_at``), when its last token came (``finished_at``), its prompt and the output
+    tokens it produced. Routers replay these with the residents where the engine reports no
+    prefill progress (``routing.sfs.catch_up``): they took engine time the residents waited."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=1)
+    arrived_at: float = Field(ge=0)
+    finished_at: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> FinishedRequest:
+        if self.finished_at < self.arrived_at:
+            raise ValueError(
+                f"finished_at ({self.finished_at}) must not be before arrived_at ({self.arrived_at})"
+            )
+        return self
+
+
 class InstanceSnapshot(BaseModel):
-    """An instance's resident requests at ``taken_at`` (unix seconds, or virtual time)."""
+    """An instance's resident requests at ``taken_at`` (unix seconds, or virtual time), and
+    the requests that left it recently (``finished``, the last closed first, bounded by the
+    writer)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -39,6 +63,7 @@ class InstanceSnapshot(BaseModel):
     model: str
     taken_at: float = Field(ge=0)
     residents: list[ResidentRequest] = Field(default_factory=list)
+    finished: list[FinishedRequest] = Field(default_factory=list)
     healthy: bool = True
     source: str = "redis"
 

@@ -8,6 +8,7 @@ narrow Protocols they use.
 
 from state.cluster import StateConfigError
 from state.keys import Keys
+from state.liveness import FINISHED_KEEP, FINISHED_KEEP_S
 from state.protocols import (
     Claims,
     Dedupe,
@@ -41,6 +42,8 @@ from state.store import (
 )
 
 __all__ = [
+    "FINISHED_KEEP",
+    "FINISHED_KEEP_S",
     "Claims",
     "Dedupe",
     "Ledger",

@@ -13,6 +13,9 @@ key                                    type    holds
                                                arrived_at" (resident requests)
 ``sy:inst:{<instance>}:slots``         zset    query id → last touch (Redis time): capacity held
 ``sy:inst:{<instance>}:gone``          zset    query id → when it was done (tombstones for resync)
+``sy:inst:{<instance>}:fin``           list    requests that left recently, newest first:
+                                               "prompt,output,arrived_at,finished_at"; at
+                                               most ``FINISHED_KEEP``; TTL ``FINISHED_KEEP_S``
 ``sy:inst:{<instance>}:pfx``           zset    prefix block hash → recency (the router's LRU
                                                model of the instance's prefix cache)
 ``sy:inst:{<instance>}:pfxt``          hash    prefix block hash → tokens; ``#seq``, ``#total``
@@ -100,6 +103,10 @@ class Keys:
 
     def gone(self, instance_id: str) -> str:
         return self._inst(instance_id, "gone")
+
+    def finished(self, instance_id: str) -> str:
+        """Requests that left the instance recently (a capped list, newest first)."""
+        return self._inst(instance_id, "fin")
 
     def prefix(self, instance_id: str) -> tuple[str, str]:
         """(recency zset, tokens hash) of the instance's prefix-cache model."""

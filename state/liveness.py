@@ -14,13 +14,19 @@ import numpy as np
 import numpy.typing as npt
 import redis.asyncio as aioredis
 
-from schemas import InstanceSnapshot, ResidentRequest, StepTimeCoefficients
+from schemas import FinishedRequest, InstanceSnapshot, ResidentRequest, StepTimeCoefficients
 from state.keys import Keys
 from state.records import InstanceLive, LiveStepTime
 from state.redis_core import RedisCore, _count, _fraction, _seconds_ms
 
 RESIDENTS_KEEP_S = 600.0  # residents of a worker that stopped writing vanish after this
 TOMBSTONE_KEEP_S = 3600.0  # a done resident is not re-added by a resync for this long
+# Requests that left an instance, kept for the routers' catch-up (``routing.sfs.catch_up``):
+# at most this many, newest first, and none older than FINISHED_KEEP_S (the list expires that
+# long after its last write; a router reads only those that left within it). The catch-up
+# replays those that left since the oldest resident arrived: at 15 requests/s, 32 cover 2 s.
+FINISHED_KEEP = 32
+FINISHED_KEEP_S = 10.0
 
 
 class RedisLiveness(RedisCore):
@@ -29,6 +35,7 @@ class RedisLiveness(RedisCore):
     def __init__(self, client: aioredis.Redis, keys: Keys, display_url: str) -> None:
         super().__init__(client, keys, display_url)
         self._snap_cache: dict[str, dict[str, tuple[str, ResidentRequest]]] = {}
+        self._fin_cache: dict[str, tuple[str, list[FinishedRequest]]] = {}
 
     async def heartbeat(
         self,
@@ -183,14 +190,18 @@ class RedisLiveness(RedisCore):
         names = list(dict.fromkeys(models))
         replies = await self._script_many(
             "snapshot",
-            [([k.heartbeat(iid), k.residents(iid), k.slots(iid)], []) for iid in ids],
+            [
+                ([k.heartbeat(iid), k.residents(iid), k.slots(iid), k.finished(iid)], [])
+                for iid in ids
+            ],
             extra=[("HGETALL", k.step_time(m)) for m in names]
             + [("ZRANGE", k.prefix(iid)[0], "0", "-1") for iid in ids],
         )
         n_head = len(ids) + len(names)
         prefixes = {iid: _sorted_hashes(raw) for iid, raw in zip(ids, replies[n_head:], strict=True)}
         out: dict[str, InstanceLive] = {}
-        for iid, (hb_blob, res_blob, slots) in zip(ids, replies[: len(ids)], strict=True):
+        heads = replies[: len(ids)]
+        for iid, (hb_blob, res_blob, slots, fin_blob) in zip(ids, heads, strict=True):
             hb = _pairs(hb_blob)
             res = _pairs(res_blob)
             slots_used = int(slots)
@@ -205,6 +216,7 @@ class RedisLiveness(RedisCore):
                 model=hb.get("model", ""),
                 taken_at=taken_at,
                 residents=self._residents_cached(iid, res),
+                finished=self._finished_cached(iid, fin_blob, now),
                 healthy=True,
                 source="redis",
             )
@@ -243,6 +255,17 @@ class RedisLiveness(RedisCore):
         rs = [r for _, r in cur.values()]
         rs.sort(key=lambda r: (r.arrived_at, r.query_id))
         return rs
+
+    def _finished_cached(self, instance_id: str, blob: str, now: float) -> list[FinishedRequest]:
+        """The instance's recently finished requests (newest first), those that left at
+        most ``FINISHED_KEEP_S`` before ``now``; parsed once per change of the list."""
+        hit = self._fin_cache.get(instance_id)
+        if hit is None or hit[0] != blob:
+            texts = blob.split("\0") if blob else []
+            parsed = [f for t in texts if (f := _decode_finished(t)) is not None]
+            hit = (blob, parsed)
+            self._fin_cache[instance_id] = hit
+        return [f for f in hit[1] if f.finished_at >= now - FINISHED_KEEP_S]
 
     # ------------------------------------------------------------------ dedupe
 
@@ -298,6 +321,29 @@ class RedisLiveness(RedisCore):
 
 def _encode_resident(r: ResidentRequest) -> str:
     return f"{r.prompt_tokens},{r.prefilled_tokens},{r.decoded_tokens},{r.predicted_output_tokens},{r.arrived_at!r}"
+
+
+def encode_finished(f: FinishedRequest) -> str:
+    """A recently finished request as ``resident_done`` stores it."""
+    return f"{f.prompt_tokens},{f.output_tokens},{f.arrived_at!r},{f.finished_at!r}"
+
+
+def _decode_finished(text: str) -> FinishedRequest | None:
+    """Parse one recently-finished record; a malformed one is skipped."""
+    try:
+        p, o, a, f = text.split(",")
+        prompt, output = max(0, int(p)), max(1, int(o))
+        arrived, finished = max(0.0, float(a)), float(f)
+    except ValueError:
+        return None
+    if not (math.isfinite(arrived) and math.isfinite(finished)):
+        return None
+    return FinishedRequest.model_construct(
+        prompt_tokens=prompt,
+        output_tokens=output,
+        arrived_at=arrived,
+        finished_at=max(arrived, finished),
+    )
 
 
 def _decode_resident(query_id: str, text: str) -> ResidentRequest | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from schemas import ResidentRequest, StepTimeCoefficients
+from schemas import FinishedRequest, ResidentRequest, StepTimeCoefficients
 from state.records import (
     BudgetStatus,
     ClaimOutcome,
@@ -253,6 +253,7 @@ class Results(Protocol):
         cost_usd: float,
         tenant: str | None = None,
         period_id: str | None = None,
+        finished: FinishedRequest | None = None,
     ) -> tuple[bool, bool]: ...
 
     async def result_mark(self, query_id: str) -> ResultMark | None: ...

@@ -12,8 +12,9 @@ from typing import Any
 from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
+from schemas import FinishedRequest
 from state.ledger import ledger_expire_at
-from state.liveness import TOMBSTONE_KEEP_S
+from state.liveness import FINISHED_KEEP, FINISHED_KEEP_S, TOMBSTONE_KEEP_S, encode_finished
 from state.records import ResultMark, Starts
 from state.redis_core import NANO_PER_USD, RedisCore, _seconds_ms, usd_to_nano
 
@@ -49,10 +50,14 @@ class RedisResults(RedisCore):
         cost_usd: float,
         tenant: str | None = None,
         period_id: str | None = None,
+        finished: FinishedRequest | None = None,
     ) -> tuple[bool, bool]:
         """A worker's three closing writes in one round trip, in this order: ``mark_result``
         (with the cost), ``settle`` (when ``tenant`` and ``period_id`` are given) and
         ``resident_done``. Each is idempotent on its own; returns (first result, settled now).
+        ``finished``: what the engine ran (arrival at the engine, last token, prompt and
+        output tokens), kept in the instance's recently-finished list (``FINISHED_KEEP``
+        newest) for the routers' catch-up; recorded once per query.
         """
         k = self.keys
         cost_nano = usd_to_nano(cost_usd, f"query {query_id}: cost_usd")
@@ -67,18 +72,17 @@ class RedisResults(RedisCore):
                     [query_id, cost_nano, ledger_expire_at(period_id)],
                 )
             )
-        calls.append(
-            (
-                "resident_done",
-                [
-                    k.heartbeat(instance_id),
-                    k.residents(instance_id),
-                    k.slots(instance_id),
-                    k.gone(instance_id),
-                ],
-                [query_id, now, repr(TOMBSTONE_KEEP_S)],
-            )
-        )
+        done_keys = [
+            k.heartbeat(instance_id),
+            k.residents(instance_id),
+            k.slots(instance_id),
+            k.gone(instance_id),
+        ]
+        done_args: list[Any] = [query_id, now, repr(TOMBSTONE_KEEP_S)]
+        if finished is not None:
+            done_keys.append(k.finished(instance_id))
+            done_args += [encode_finished(finished), FINISHED_KEEP, int(FINISHED_KEEP_S * 1000)]
+        calls.append(("resident_done", done_keys, done_args))
         pipe: Pipeline = self._r.pipeline(transaction=False)
         pipe.set(k.result(query_id), str(cost_nano), nx=True, px=ttl_ms)
         for name, keys, args in calls:

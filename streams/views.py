@@ -10,7 +10,8 @@ Pure functions (no I/O), so the rules are unit-tested without Kafka or Redis:
 - the resident list holds at least as many running and waiting requests as the engine's
   own ``/metrics`` counts in the heartbeat (``routing.engine_counts``); each resident's
   time at the engine (``now - arrived_at``) goes with it (``InstanceView.waited_ms``), for
-  models whose engine reports no prefill progress (``routing.sfs.catch_up``);
+  models whose engine reports no prefill progress (``routing.sfs.catch_up``), and so do the
+  requests that left the instance recently (``InstanceView.finished``, timed from ``now``);
 - a model's Eq. 9 coefficients refitted online by its workers (``routing.recalibration``)
   replace the configured ones while their record is at most ``max_age_s`` old
   (:func:`live_step_models`), and so does the dispatch delay (decision → engine) they
@@ -32,7 +33,7 @@ import numpy.typing as npt
 
 from routing.engine_counts import reconcile_engine_counts
 from routing.steptime import StepTimeModel
-from routing.types import Budget, InstanceState, InstanceView
+from routing.types import Budget, InstanceState, InstanceView, RecentFinished
 from routing.window import UNLIMITED_USD as UNLIMITED_USD  # one definition, re-exported
 from schemas import ClusterConfig, InstanceSnapshot, StepTimeCoefficients, TenantBudget
 
@@ -102,6 +103,11 @@ def instance_views(
                 max(0.0, (now - r.arrived_at) * 1000.0) if r.arrived_at > 0 else 0.0
                 for r in snap.residents
             ]
+        finished = (
+            _recent_finished(snap, now)
+            if snap is not None and state is not None and model.prefill_progress == "inferred"
+            else None
+        )
         views.append(
             InstanceView(
                 instance_id=spec.id,
@@ -115,9 +121,25 @@ def instance_views(
                 dispatch_ms=float(dispatch.get(spec.model, 0.0)),
                 prefix_hashes=info.prefix_hashes,
                 waited_ms=waited,
+                finished=finished,
             )
         )
     return views, excluded
+
+
+def _recent_finished(snap: InstanceSnapshot, now: float) -> RecentFinished | None:
+    """The snapshot's recently finished requests timed from ``now`` (ms ago); None if none."""
+    if not snap.finished:
+        return None
+    a = np.array(
+        [(f.prompt_tokens, f.output_tokens, f.arrived_at, f.finished_at) for f in snap.finished],
+        dtype=np.float64,
+    )
+    left_ms = np.maximum(0.0, (now - a[:, 3]) * 1000.0)
+    arrived_ms = np.maximum(left_ms, (now - a[:, 2]) * 1000.0)
+    return RecentFinished(
+        a[:, 0].astype(np.int64), np.maximum(a[:, 1], 1).astype(np.int64), arrived_ms, left_ms
+    )
 
 
 class LiveStepTimeLike(Protocol):

@@ -53,7 +53,15 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from routing.steptime import StepTimeModel
-from schemas import ClusterConfig, DeadLetter, ModelSpec, ResidentRequest, Result, RoutedQuery
+from schemas import (
+    ClusterConfig,
+    DeadLetter,
+    FinishedRequest,
+    ModelSpec,
+    ResidentRequest,
+    Result,
+    RoutedQuery,
+)
 from schemas.parse import BadMessage, Limits, parse_model
 from state import Starts, StateUnavailable, WorkerState, period_id
 from state.prefix import kv_cache_tokens, touch_of
@@ -709,7 +717,7 @@ class Worker:
             # (it stays in _residents until finished, so a copy arriving now is skipped here)
             # mark published (with its cost), settle, free the slot: one round trip, at once —
             # a crash from here on re-delivers a query that is then skipped
-            if not await self._finish(rq, result.cost_usd):
+            if not await self._finish(rq, result.cost_usd, _finished_of(gen)):
                 self.metrics.duplicate_results.inc()
                 self.counts["duplicate_results"] += 1
             # its prefix blocks are the most recent in this instance's cache (state.prefix)
@@ -761,8 +769,11 @@ class Worker:
             return None  # no ledger for this tenant
         return rq.query.tenant, period_id(rq.decision.decided_at, budget.period_s)
 
-    async def _finish(self, rq: RoutedQuery, cost_usd: float) -> bool:
-        """``StateStore.finish`` with retries; True unless the result had been marked before."""
+    async def _finish(
+        self, rq: RoutedQuery, cost_usd: float, finished: FinishedRequest | None = None
+    ) -> bool:
+        """``StateStore.finish`` with retries; True unless the result had been marked before.
+        ``finished``: what the engine ran, for the instance's recently-finished list."""
         ledger = self._ledger_of(rq)
         uncertain = False  # a failed attempt may have set the mark before the reply was lost
         deadline = time.monotonic() + self.config.finish_retry_s
@@ -775,6 +786,7 @@ class Worker:
                     cost_usd=cost_usd,
                     tenant=ledger[0] if ledger else None,
                     period_id=ledger[1] if ledger else None,
+                    finished=finished,
                 )
                 return first or uncertain
             except StateUnavailable as exc:
@@ -1204,3 +1216,17 @@ def _result_bytes(result: Result) -> bytes:
         update={"text": text + f" …[truncated {len(result.text) - len(text)} characters]"}
     )
     return cut.model_dump_json().encode()
+
+
+def _finished_of(gen: Generation) -> FinishedRequest | None:
+    """What the engine ran for one request (sent to it, last token, tokens), for the
+    routers' catch-up; None when it produced nothing (it took no decode steps, and a
+    request refused at once took none at all)."""
+    if gen.output_tokens < 1 or gen.sent_at <= 0:
+        return None
+    return FinishedRequest(
+        prompt_tokens=max(0, int(gen.prompt_tokens)),
+        output_tokens=int(gen.output_tokens),
+        arrived_at=float(gen.sent_at),
+        finished_at=max(float(gen.sent_at), float(gen.finished_at)),
+    )

@@ -87,7 +87,8 @@ class SfsTtft:
     server's own time per request) is added. For a model whose engine reports no prefill
     progress (``ModelSpec.prefill_progress == "inferred"``, a real vLLM) the snapshot is
     first caught up to decision time (``routing.sfs.catch_up``: prefill done since each
-    resident arrived, the step in flight).
+    resident arrived, with the requests that left meanwhile (``view.finished``), and the step
+    in flight).
     """
 
     cluster: ClusterConfig
@@ -112,7 +113,7 @@ class SfsTtft:
             return state, 0.0
         from routing.sfs import catch_up
 
-        return catch_up(state, view.waited_ms, model, spec.scheduler)
+        return catch_up(state, view.waited_ms, model, spec.scheduler, view.finished)
 
     def _lps(
         self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray

@@ -70,3 +70,28 @@ def test_a_waiting_resident_is_credited_with_its_time_at_the_engine() -> None:
     assert ev["mean_ms_sfs_real_lengths"] == pytest.approx(222.0 + 522.0 + 89.0, abs=0.5)
     # the plain snapshot prices the whole prompt from now: one more 522-ms step's worth
     assert ev["mean_ms_sfs_plain"] == pytest.approx(522.0 + 522.0 + 89.0, abs=0.5)
+
+
+def test_a_request_that_finished_before_the_send_took_its_step_from_the_waiting_one() -> None:
+    # r0: a 400-token prompt, 1 output token, sent at 0 and done at 0.42 s (its step: 10 +
+    # 400 = 410 ms); r1: a 300-token prompt sent at 0.4 s, still waiting at r2's send at
+    # 0.5 s. The replay from r0's arrival: r0's step until 0.41 s, then r1's (310 ms) until
+    # 0.72 s: 220 ms after r2's send; then r2's 100 tokens beside r1's decode (10 + 101 +
+    # 0.002 x 300 context tokens = 111.6 ms). Residents only, r1's step runs from its
+    # arrival (0.4 s) to 0.71 s: 10 ms less
+    r0 = ReplayRecord("r0", 0.0, 400, 1, sent_s=0.0, ttft_s=0.41, e2e_s=0.42)
+    r0.generated_tokens = 1
+    r1 = _rec(1, 0.4, 300, 330.0, [])
+    r1.output_tokens = r1.generated_tokens = 8
+    r2 = _rec(2, 0.5, 100, 331.6, [[300, 0, 0, 8, 100.0]])
+    r2.finished = [[400, 1, 500.0, 80.0]]
+    ev = evaluate([r0, r1, r2], M, SCHED)
+    # r0 and r1 were sent to an idle server: 410 and 310 ms
+    got = ev["mean_ms_sfs_real_lengths"] * 3 - 410.0 - 310.0
+    assert got == pytest.approx(220.0 + 111.6, abs=0.5)
+    alone = ev["mean_ms_sfs_residents_real_lengths"] * 3 - 410.0 - 310.0
+    assert alone == pytest.approx(210.0 + 111.6, abs=0.5)
+    # the same when the record predates the field: the level's records give it
+    r2.finished = None
+    again = evaluate([r0, r1, r2], M, SCHED)
+    assert again["mean_ms_sfs_real_lengths"] == pytest.approx(ev["mean_ms_sfs_real_lengths"])

@@ -525,3 +525,14 @@ def test_an_engine_without_prefill_progress_is_caught_up_to_decision_time() -> N
     assert caught.ttft_model.standalone_ms(replace(v, waited_ms=None), prompts, outs)[0] == (
         pytest.approx(plain)
     )
+    # a request that left 20 ms ago after 200 ms at the engine took the steps before the
+    # resident's: the view's recently finished requests reach the catch-up
+    from routing.types import RecentFinished
+
+    done = RecentFinished.of([(1000, 2, 200.0, 20.0)])
+    st, delay = catch_up(waiting, np.array([150.0]), step, inferred.models[0].scheduler, done)
+    later = standalone_ttft_ms(st, prompts, step, inferred.models[0].scheduler, start_delay_ms=delay)
+    assert later[0] > want[0] + 10.0
+    assert caught.ttft_model.standalone_ms(replace(v, finished=done), prompts, outs)[0] == (
+        pytest.approx(later[0])
+    )

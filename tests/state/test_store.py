@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from schemas import ResidentRequest, StepTimeCoefficients
+from schemas import FinishedRequest, ResidentRequest, StepTimeCoefficients
 from state import (
+    FINISHED_KEEP,
+    FINISHED_KEEP_S,
     NANO_PER_USD,
     ResultMark,
     RouteIntent,
@@ -521,6 +523,46 @@ async def test_finish_marks_settles_and_frees_in_one_call(stores: list[StateStor
         True,
     )
     assert (await s.snapshots(["w9"], 0.0))["w9"].slots_used == 0
+
+
+async def test_finished_requests_reach_the_snapshot_newest_first_bounded(
+    stores: list[StateStore],
+) -> None:
+    """What the engine ran for each finished query is listed in the instance's snapshot once
+    (a second finish of the same query adds nothing), newest first, at most FINISHED_KEEP,
+    and only those that left within FINISHED_KEEP_S of the reader's clock."""
+    s = stores[0]
+    now = 1_800_000_000.0
+    await s.heartbeat("wf", "m", ttl_s=30, max_concurrency=64, now=now)
+    n = FINISHED_KEEP + 5
+    for i in range(n):
+        qid = f"fin{i}"
+        await s.resident_add("wf", ResidentRequest(query_id=qid, prompt_tokens=10 + i))
+        f = FinishedRequest(
+            prompt_tokens=10 + i, output_tokens=1 + i, arrived_at=now - 3.0 + 0.01 * i,
+            finished_at=now - 2.0 + 0.01 * i,
+        )  # fmt: skip
+        assert (await s.finish("wf", qid, result_ttl_s=60, cost_usd=0.0, finished=f))[0]
+    # a re-delivered copy finishing again records nothing
+    again = FinishedRequest(prompt_tokens=99, output_tokens=9, arrived_at=now, finished_at=now)
+    await s.finish("wf", f"fin{n - 1}", result_ttl_s=60, cost_usd=0.0, finished=again)
+    # a query finished without what it ran (skipped, never ran) records nothing either
+    await s.resident_add("wf", ResidentRequest(query_id="skip", prompt_tokens=7))
+    await s.finish("wf", "skip", result_ttl_s=60, cost_usd=0.0)
+    snap = (await s.snapshots(["wf"], now))["wf"].snapshot
+    assert snap is not None
+    assert [f.prompt_tokens for f in snap.finished] == [10 + i for i in range(n - 1, 4, -1)]
+    assert snap.finished[0] == FinishedRequest(
+        prompt_tokens=10 + n - 1, output_tokens=n, arrived_at=now - 3.0 + 0.01 * (n - 1),
+        finished_at=now - 2.0 + 0.01 * (n - 1),
+    )  # fmt: skip
+    # read later, those that left more than FINISHED_KEEP_S ago are left out
+    later = now - 2.0 + 0.01 * 20 + FINISHED_KEEP_S
+    snap = (await s.snapshots(["wf"], later))["wf"].snapshot
+    assert snap is not None
+    assert [f.prompt_tokens for f in snap.finished] == [10 + i for i in range(n - 1, 19, -1)]
+    ttl_ms = await s._r.pttl(s.keys.finished("wf"))
+    assert 0 < ttl_ms <= FINISHED_KEEP_S * 1000
 
 
 def test_what_a_failing_over_cluster_answers_is_unavailable_not_a_bug() -> None:

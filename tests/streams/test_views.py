@@ -11,6 +11,7 @@ import pytest
 
 from schemas import (
     ClusterConfig,
+    FinishedRequest,
     InstanceSnapshot,
     ResidentRequest,
     StepTimeCoefficients,
@@ -194,3 +195,32 @@ def test_views_carry_each_residents_time_at_the_engine() -> None:
     stale = {"s0": Live(s, 3, True, 10.0)}
     views, _ = instance_views(CLUSTER, stale, now, stale_after_s=2.0)
     assert next(v for v in views if v.instance_id == "s0").waited_ms is None
+
+
+def test_views_of_inferred_progress_models_carry_the_recently_finished_requests() -> None:
+    now = 1000.0
+    fin = [
+        FinishedRequest(prompt_tokens=300, output_tokens=4, arrived_at=now - 0.5, finished_at=now - 0.2),
+        # a writer's clock ahead of the reader's: it left "in the future", so just now
+        FinishedRequest(prompt_tokens=50, output_tokens=1, arrived_at=now - 0.1, finished_at=now + 0.05),
+    ]  # fmt: skip
+    rs = [ResidentRequest(query_id="a", prompt_tokens=100, arrived_at=now - 0.25)]
+    s = InstanceSnapshot(instance_id="s0", model="s", taken_at=now, residents=rs, finished=fin)
+    live = {"s0": Live(s, 1, True, 0.0)}
+    inferred = CLUSTER.model_copy(
+        update={
+            "models": [
+                m.model_copy(update={"prefill_progress": "inferred"}) if m.name == "s" else m
+                for m in CLUSTER.models
+            ]
+        }
+    )
+    views, _ = instance_views(inferred, live, now, stale_after_s=2.0)
+    f = next(v for v in views if v.instance_id == "s0").finished
+    assert f is not None
+    assert f.prompt_tokens.tolist() == [300, 50] and f.output_tokens.tolist() == [4, 1]
+    assert f.arrived_ms.tolist() == pytest.approx([500.0, 100.0])
+    assert f.finished_ms.tolist() == pytest.approx([200.0, 0.0])
+    # a model whose engine reports its prefill progress needs no replay: none passed
+    views, _ = instance_views(CLUSTER, live, now, stale_after_s=2.0)
+    assert next(v for v in views if v.instance_id == "s0").finished is None

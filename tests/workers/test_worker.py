@@ -27,7 +27,7 @@ from schemas import (
     RoutedQuery,
     StepTimeCoefficients,
 )
-from state import StateStore, period_id
+from state import FINISHED_KEEP, StateStore, period_id
 from switchyard.client import SwitchyardClient
 from switchyard.services import free_port
 from wiring import kafka_admin, topics
@@ -182,7 +182,8 @@ async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
     iid = "it-" + uuid.uuid4().hex[:8]
     cluster = _cluster(iid, max_concurrency=4)
     state: StateStore = env["state"]
-    period = period_id(time.time(), 3600)
+    t0 = time.time()
+    period = period_id(t0, 3600)
     # the engine at a quarter of real speed: requests last long enough to watch them
     server = await start_server(
         build_server(coefficients=COEF, time_scale=0.25, config=FakeVllmConfig(model="tiny"))
@@ -263,6 +264,14 @@ async def test_worker_on_fake_vllm_results_state_budget_dead_letters(
         live = (await state.snapshots([iid], time.time()))[iid]
         assert live.alive and live.snapshot is not None and live.snapshot.residents == []
         assert live.slots_used == 0
+        # what the engine ran for the latest ones is listed for the routers' catch-up (in the
+        # order they were closed, newest first): the tokens its results report, sent before
+        # its last token, within the run
+        fin = live.snapshot.finished
+        assert len(fin) == min(n, FINISHED_KEEP)
+        by_tokens = {(r.prompt_tokens, r.output_tokens) for r in results.values()}
+        assert all((f.prompt_tokens, f.output_tokens) in by_tokens for f in fin)
+        assert all(t0 < f.arrived_at < f.finished_at <= time.time() for f in fin)
         status = await state.budget_status("acme", period)
         assert status.reserved_usd == 0.0
         assert status.spent_usd == pytest.approx(
