@@ -11,7 +11,8 @@ the model's ``max_output_tokens``, so they fit its ``max_model_len``):
 
 1. capacity: ``--burst`` requests sent at once, completed requests per second;
 2. calibration, on requests of its own (trace rows from 2,000 on, never scored):
-   ``--calib`` lone requests one after another; the server's own time per request outside
+   ``--calib`` lone requests one after another (one client, 2 output tokens each, spaced
+   so each finds the server idle); the server's own time per request outside
    engine steps is the median of their TTFT minus their Eq. 9 prefill
    (``offline.vllm_replay.server_ms_of``), what a worker publishes as ``server_ms``;
 3. per load level (30/60/90% of that capacity): ``--n`` requests whose arrival times are the
@@ -161,10 +162,14 @@ def main() -> None:
                 trace, args.calib, args.prompt_scale, args.output_scale,
                 spec.max_output_tokens or 256, spec.max_model_len, offset=2000,
             )  # fmt: skip
-            calib = []
-            for j, r in enumerate(lone):
-                time.sleep(args.calib_gap_s)
-                calib += asyncio.run(replay(endpoint, spec.name, [r], seed=100 + j))
+            # one client for all of them, as in the levels (a fresh client per request
+            # paid its connection set-up inside the TTFT: ~4 ms more server time); each
+            # sent once the one before is surely done (2 output tokens; twice its prefill)
+            spaced, t_s = [], 0.0
+            for r in lone:
+                spaced.append(ReplayRequest(r.request_id, t_s, r.prompt_tokens, 2))
+                t_s += args.calib_gap_s + 2.0 * float(model.prefill_ms(r.prompt_tokens)) / 1e3
+            calib = asyncio.run(replay(endpoint, spec.name, spaced, seed=100))
             server_ms = server_ms_of(calib, model)
             all_records += [dict(r.as_dict(), trace=trace, level="calib") for r in calib]
             tr: dict[str, Any] = {
@@ -263,6 +268,8 @@ COLUMNS = (
     ("sfs_residents_real_lengths", "catch-up, residents only (real lengths)"),
     ("sfs_predicted", "SFS (predicted lengths)"),
     ("sfs_real_lengths", "SFS (real lengths)"),
+    ("sfs_later_predicted", "SFS + later arrivals (predicted)"),
+    ("sfs_later_real_lengths", "SFS + later arrivals (real lengths)"),
     ("sim_engine", "sim engine"),
     ("throughput_baseline", "throughput"),
 )

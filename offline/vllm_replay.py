@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routing.sfs import catch_up, standalone_ttft_ms
+from routing.sfs import catch_up, later_arrivals, standalone_ttft_ms
 from routing.steptime import StepTimeModel
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
 from routing.types import InstanceState, RecentFinished
@@ -117,7 +117,7 @@ async def replay(
             ]
             rec.finished = [
                 [p, o, (now - s) * 1e3, (now - e) * 1e3]
-                for e, s, p, o in reversed(done[-FINISHED_KEEP:])
+                for e, s, p, o in reversed(done[max(0, len(done) - FINISHED_KEEP) :])
                 if now - e <= FINISHED_KEEP_S
             ]
             me = inflight[r.request_id] = _InFlight(r.prompt_tokens, r.output_tokens, now)
@@ -205,7 +205,7 @@ def _finished(rec: ReplayRecord, ok: list[ReplayRecord]) -> RecentFinished:
         rows = [
             [r.prompt_tokens, r.generated_tokens, (rec.sent_s - r.sent_s) * 1e3,
              (rec.sent_s - e) * 1e3]
-            for e, r in reversed(ends[-FINISHED_KEEP:])
+            for e, r in reversed(ends[max(0, len(ends) - FINISHED_KEEP) :])
             if rec.sent_s - e <= FINISHED_KEEP_S and r.generated_tokens >= 1
         ]  # fmt: skip
     return RecentFinished.of(np.asarray([x[:4] for x in rows], dtype=np.float64).reshape(-1, 4))
@@ -248,6 +248,9 @@ def evaluate(
       the same with the real output lengths;
     * ``sfs_residents_predicted`` / ``sfs_residents_real_lengths``: the same, the catch-up
       replaying the residents only (before the finished requests were published);
+    * ``sfs_later_predicted`` / ``sfs_later_real_lengths``: ``sfs_predicted`` /
+      ``sfs_real_lengths`` with the requests expected after the candidate priced in its last
+      prefill step (``routing.sfs.LaterArrivals``, the rate of the snapshot's last second);
     * ``sim_engine``: the simulated engine (``engine_timing``: a ``sim.timing`` source) run on
       the same send times, plus ``server_ms``;
     * ``throughput_baseline``: queued prompt tokens over the engine's prefill throughput.
@@ -259,7 +262,9 @@ def evaluate(
         raise ValueError("no request finished without an error")
     real = np.array([r.ttft_s * 1e3 for r in ok])
     tput = prefill_tokens_per_s(model, sched)
-    plain, sfs_pred, sfs_real, thr, res_pred, res_real = (np.zeros(len(ok)) for _ in range(6))
+    plain, sfs_pred, sfs_real, thr, res_pred, res_real, lat_pred, lat_real = (
+        np.zeros(len(ok)) for _ in range(8)
+    )
     done_sorted = sorted((r.sent_s + r.e2e_s, r.generated_tokens) for r in ok)
     for i, r in enumerate(ok):
         fin = [g for t, g in done_sorted if t <= r.sent_s]
@@ -269,14 +274,19 @@ def evaluate(
         predicted, real_len = _state(r.residents, pred), _state(r.residents, None)
         plain[i] = standalone_ttft_ms(predicted, p, model, sched)[0]
         recent = _finished(r, ok)
-        for dest, st0, done in (
-            (sfs_pred, predicted, recent),
-            (sfs_real, real_len, recent),
-            (res_pred, predicted, None),
-            (res_real, real_len, None),
+        later = later_arrivals(real_len, waited, recent)
+        for dest, st0, done, nxt in (
+            (sfs_pred, predicted, recent, None),
+            (sfs_real, real_len, recent, None),
+            (res_pred, predicted, None, None),
+            (res_real, real_len, None, None),
+            (lat_pred, predicted, recent, later),
+            (lat_real, real_len, recent, later),
         ):
             st, delay = catch_up(st0, waited, model, sched, done)
-            dest[i] = server_ms + standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay)[0]
+            dest[i] = server_ms + float(
+                standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay, later=nxt)[0]
+            )
         thr[i] = throughput_ttft_ms(real_len, p, tput)[0]
     out: dict[str, Any] = {"n": len(ok), "errors": len(records) - len(ok), "server_ms": server_ms}
     est = {
@@ -285,6 +295,8 @@ def evaluate(
         "sfs_real_lengths": sfs_real,
         "sfs_residents_predicted": res_pred,
         "sfs_residents_real_lengths": res_real,
+        "sfs_later_predicted": lat_pred,
+        "sfs_later_real_lengths": lat_real,
         "throughput_baseline": thr,
     }
     if engine_timing is not None:

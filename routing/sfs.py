@@ -244,6 +244,88 @@ class _Warming:
         self.progress = np.where(np.isin(self.row_id, row_ids), np.inf, self.progress)
 
 
+@dataclass(frozen=True)
+class LaterArrivals:
+    """Requests expected to reach the instance after the candidate: ``rate_per_ms`` of
+    them, ``prompt_tokens`` each on average (:func:`later_arrivals`).
+
+    vLLM schedules running requests first and then admits waiting ones with the token
+    budget left, so a request arriving after the candidate never delays it by taking its
+    tokens, but it does join the candidate's last prefill step with the budget that step
+    leaves, and makes it longer (Eq. 9: ``c1`` per token and its attention). SFS prices
+    the expected share: with N ~ Poisson(rate x time until that step starts) arrivals of
+    ``prompt_tokens`` each, ``E[min(left budget, N x prompt_tokens)]`` more tokens."""
+
+    rate_per_ms: float
+    prompt_tokens: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rate_per_ms) and self.rate_per_ms >= 0):
+            raise ValueError(f"LaterArrivals.rate_per_ms must be >= 0, got {self.rate_per_ms}")
+        if not (math.isfinite(self.prompt_tokens) and self.prompt_tokens >= 0):
+            raise ValueError(
+                f"LaterArrivals.prompt_tokens must be >= 0, got {self.prompt_tokens}"
+            )
+
+
+LATER_WINDOW_MS = 1000.0  # arrivals counted for the rate: those of the last second
+
+
+def later_arrivals(
+    state: InstanceState,
+    waited_ms: FloatArray,
+    finished: RecentFinished | None = None,
+    window_ms: float = LATER_WINDOW_MS,
+) -> LaterArrivals:
+    """The recent arrival rate and mean prompt at an instance, from its snapshot: the
+    residents (``waited_ms`` ago) and the recently finished requests that arrived within
+    ``window_ms``. A bounded finished list that holds nothing older than the window
+    counts over the span it covers."""
+    waited = np.asarray(waited_ms, dtype=np.float64)
+    prompts = [state.prompt_tokens[(waited > 0.0) & (waited <= window_ms)]]
+    span = float(window_ms)
+    if finished is not None and finished.n:
+        recent = finished.arrived_ms <= window_ms
+        prompts.append(finished.prompt_tokens[recent])
+    p = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
+    if p.size == 0 or span <= 0.0:
+        return LaterArrivals(0.0, 0.0)
+    return LaterArrivals(p.size / span, float(p.mean()))
+
+
+def _later_ms(
+    ttft_ms: FloatArray,
+    left_tokens: FloatArray,
+    last_step_ms: FloatArray,
+    seats: FloatArray,
+    later: LaterArrivals,
+    model: StepTimeModel,
+) -> FloatArray:
+    """Expected extra time of each candidate's last prefill step from later arrivals (at
+    most ``seats`` of them: the step's ``max_num_seqs`` left)."""
+    L = np.where(seats >= 1.0, np.maximum(left_tokens, 0.0), 0.0)
+    pbar = max(later.prompt_tokens, 1.0)
+    mu = later.rate_per_ms * np.maximum(ttft_ms - last_step_ms, 0.0)
+    if later.rate_per_ms <= 0.0 or not L.any():
+        return np.zeros_like(ttft_ms)
+    # beyond min(seats, L / prompt) arrivals nothing more fits: the tail term covers them
+    kmax = int(min(math.ceil(float(L.max()) / pbar), max(float(seats.max()), 0.0)))
+    k = np.arange(kmax + 1, dtype=np.float64)
+    # Poisson probabilities P(N = k) for k = 0..kmax, one row per candidate
+    ratio = np.where(k[None, 1:] > 0, mu[:, None] / np.maximum(k[None, 1:], 1.0), 0.0)
+    pk = np.exp(-mu)[:, None] * np.concatenate(
+        [np.ones((mu.size, 1)), np.cumprod(ratio, axis=1)], axis=1
+    )
+    admitted = np.minimum(k[None, :], np.maximum(seats, 0.0)[:, None])
+    tokens = np.minimum(admitted * pbar, L[:, None])  # min(L, N x prompt)
+    tail = np.minimum(np.maximum(seats, 0.0) * pbar, L)  # N > kmax: as many as fit
+    expect = (pk * tokens).sum(axis=1) + tail * np.maximum(1.0 - pk.sum(axis=1), 0.0)
+    out: FloatArray = (
+        model.c1_ms_per_token * expect + model.c3_ms_per_attn_unit * expect * expect / 2.0
+    )
+    return out
+
+
 def standalone_ttft_ms(
     state: InstanceState,
     prompt_tokens: IntArray,
@@ -252,6 +334,7 @@ def standalone_ttft_ms(
     *,
     start_delay_ms: float = 0.0,
     hit_tokens: IntArray | None = None,
+    later: LaterArrivals | None = None,
 ) -> FloatArray:
     """TTFT (ms from now) of each candidate if it alone were appended to ``state``.
 
@@ -259,6 +342,8 @@ def standalone_ttft_ms(
     per candidate. Equals ``estimate_ttft_ms(state, [p], ...)`` for each ``p`` unless the
     candidate's own KV usage would trigger a preemption. ``hit_tokens[i]``: prompt tokens
     of candidate i already in this instance's prefix cache (it prefills only the rest).
+    ``later``: requests expected after the candidate, priced in its last prefill step
+    (:class:`LaterArrivals`); None: nobody comes after it.
     """
     prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
     if prompts.size == 0:
@@ -285,7 +370,7 @@ def standalone_ttft_ms(
         if ok.any():
             out[ok] = standalone_ttft_ms(
                 state, prompts[ok], model, sched, start_delay_ms=start_delay_ms,
-                hit_tokens=hits[ok],
+                hit_tokens=hits[ok], later=later,
             )  # fmt: skip
         return out
     P = np.maximum(prompts, 1)
@@ -304,7 +389,11 @@ def standalone_ttft_ms(
         / 2.0
     )
 
-    fast = _all_decoding_fast_path(state, need, first_blocks, model, sched, budget)
+    fast = (
+        None
+        if later is not None
+        else _all_decoding_fast_path(state, need, first_blocks, model, sched, budget)
+    )
     if fast is not None:
         return np.asarray(float(start_delay_ms) + fast + own_ms, dtype=np.float64)
 
@@ -315,6 +404,7 @@ def standalone_ttft_ms(
     growth: list[float] = []
     left: list[float] = []
     free: list[float] = []  # KV blocks free for a new request; -1: cannot admit at all
+    seats: list[float] = []  # sequences a step may still admit beside the candidate
     t = float(start_delay_ms)
     need_max = int(need.max())
     min_blocks = int(room_blocks.min())
@@ -339,6 +429,7 @@ def standalone_ttft_ms(
         growth.append(bg[1])
         left.append(float(b))
         free.append(f)
+        seats.append(float(sched.max_num_seqs - seg.n_running - 1))
         if started or f >= min_blocks:
             started = True
             got += seg.steps * b
@@ -358,6 +449,7 @@ def standalone_ttft_ms(
         growth.append(0.0)
         left.append(float(budget))
         free.append(float(sched.kv_blocks))
+        seats.append(float(sched.max_num_seqs - 1))
     T = np.asarray(starts)
     kk = np.asarray(steps)
     bb = np.asarray(left)
@@ -383,6 +475,11 @@ def standalone_ttft_ms(
         / 2.0
     )
     out = np.asarray(resident_ms + own_ms, dtype=np.float64)
+    if later is not None:
+        q_last = target - C[i_end] - (m - 1.0) * bb[i_end]  # the candidate's last chunk
+        step_ms = a[i_end] + g[i_end] * (m - 1.0) + model.c1_ms_per_token * q_last
+        seats_left = np.asarray(seats)[i_end]
+        out = out + _later_ms(out, bb[i_end] - q_last, step_ms, seats_left, later, model)
     for i in stuck:
         out[i] = _exact(state, int(P[i]), int(hit[i]), model, sched, start_delay_ms)
     return out

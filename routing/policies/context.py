@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from routing.profiles import Profiles
 from routing.steptime import StepTimeModel
 from routing.types import FloatArray, InstanceState, InstanceView, IntArray
 from schemas import ClusterConfig, ModelSpec
+
+if TYPE_CHECKING:
+    from routing.sfs import LaterArrivals
 
 DEFAULT_OUTPUT_TOKENS = 256.0
 
@@ -88,11 +91,16 @@ class SfsTtft:
     progress (``ModelSpec.prefill_progress == "inferred"``, a real vLLM) the snapshot is
     first caught up to decision time (``routing.sfs.catch_up``: prefill done since each
     resident arrived, with the requests that left meanwhile (``view.finished``), and the step
-    in flight).
+    in flight), and a candidate priced alone (``standalone_ms``) also pays for the requests
+    expected after it in its last prefill step (``routing.sfs.LaterArrivals``).
     """
 
     cluster: ClusterConfig
     step_time: Mapping[str, StepTimeModel]
+    # the last catch-up per instance: a window asks for one view's TTFTs more than once
+    _caught: dict[
+        str, tuple[InstanceView, InstanceState, StepTimeModel, InstanceState, float]
+    ] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _spec(self, view: InstanceView) -> ModelSpec:
         return self.cluster.model(view.model)
@@ -111,9 +119,24 @@ class SfsTtft:
         spec = self._spec(view)
         if spec.prefill_progress != "inferred" or view.waited_ms is None:
             return state, 0.0
+        hit = self._caught.get(view.instance_id)
+        if hit is not None and hit[0] is view and hit[1] is state and hit[2] == model:
+            return hit[3], hit[4]  # the same view again (standalone, then in order)
         from routing.sfs import catch_up
 
-        return catch_up(state, view.waited_ms, model, spec.scheduler, view.finished)
+        caught, delay = catch_up(state, view.waited_ms, model, spec.scheduler, view.finished)
+        self._caught[view.instance_id] = (view, state, model, caught, delay)
+        return caught, delay
+
+    def _later(self, view: InstanceView, state: InstanceState) -> LaterArrivals | None:
+        """For a model whose engine reports no prefill progress, the requests expected to
+        arrive after a candidate (the snapshot's last second), priced in its last prefill
+        step (``routing.sfs.LaterArrivals``); None elsewhere."""
+        if self._spec(view).prefill_progress != "inferred" or view.waited_ms is None:
+            return None
+        from routing.sfs import later_arrivals
+
+        return later_arrivals(state, view.waited_ms, view.finished)
 
     def _lps(
         self, view: InstanceView, prompt_tokens: IntArray, output_tokens: IntArray
@@ -166,6 +189,7 @@ class SfsTtft:
             spec.scheduler,
             start_delay_ms=delay,
             hit_tokens=None if prefix is None else prefix.hit_tokens,
+            later=self._later(view, view.state),
         )
         return self._never(view, prompt_tokens, ttft)
 

@@ -497,7 +497,7 @@ def test_an_engine_without_prefill_progress_is_caught_up_to_decision_time() -> N
     is taken as current."""
     from dataclasses import replace
 
-    from routing.sfs import catch_up, standalone_ttft_ms
+    from routing.sfs import catch_up, later_arrivals, standalone_ttft_ms
     from routing.steptime import StepTimeModel
 
     step = StepTimeModel(5.0, 0.1, 0.0, 0.0)
@@ -516,7 +516,14 @@ def test_an_engine_without_prefill_progress_is_caught_up_to_decision_time() -> N
     assert plain == pytest.approx(standalone_ttft_ms(waiting, prompts, step, base.models[0].scheduler)[0])
     st, delay = catch_up(waiting, np.array([150.0]), step, inferred.models[0].scheduler)
     want = standalone_ttft_ms(st, prompts, step, inferred.models[0].scheduler, start_delay_ms=delay)
-    assert caught.ttft_model.standalone_ms(v, prompts, outs)[0] == pytest.approx(want[0])
+    # alone, a candidate also pays for the requests expected after it (one 2,000-token
+    # arrival in the snapshot's last second) in its last prefill step
+    later = later_arrivals(waiting, np.array([150.0]))
+    assert later.rate_per_ms == pytest.approx(1e-3) and later.prompt_tokens == 2000.0
+    sched = inferred.models[0].scheduler
+    priced = standalone_ttft_ms(st, prompts, step, sched, start_delay_ms=delay, later=later)
+    assert priced[0] > want[0]
+    assert caught.ttft_model.standalone_ms(v, prompts, outs)[0] == pytest.approx(priced[0])
     assert want[0] < plain - 100.0  # 150 ms of the 2,000-token prefill are already done
     assert caught.ttft_model.in_order_ms(v, prompts, outs)[0] < reported.ttft_model.in_order_ms(
         v, prompts, outs
@@ -531,8 +538,9 @@ def test_an_engine_without_prefill_progress_is_caught_up_to_decision_time() -> N
 
     done = RecentFinished.of([(1000, 2, 200.0, 20.0)])
     st, delay = catch_up(waiting, np.array([150.0]), step, inferred.models[0].scheduler, done)
-    later = standalone_ttft_ms(st, prompts, step, inferred.models[0].scheduler, start_delay_ms=delay)
-    assert later[0] > want[0] + 10.0
+    more = later_arrivals(waiting, np.array([150.0]), done)
+    after = standalone_ttft_ms(st, prompts, step, sched, start_delay_ms=delay, later=more)
+    assert after[0] > priced[0] + 10.0
     assert caught.ttft_model.standalone_ms(replace(v, finished=done), prompts, outs)[0] == (
-        pytest.approx(later[0])
+        pytest.approx(after[0])
     )

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from routing.sfs import _finished_in_replay, catch_up, estimate_ttft_ms, standalone_ttft_ms
+from routing.sfs import (
+    LaterArrivals,
+    _finished_in_replay,
+    catch_up,
+    estimate_ttft_ms,
+    later_arrivals,
+    standalone_ttft_ms,
+)
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, RecentFinished
 from schemas import SchedulerConfig
@@ -177,3 +184,56 @@ def test_the_caught_up_snapshot_matches_the_simulated_engine_given_its_whole_pas
         assert est == pytest.approx(real, abs=1e-6)
         checked += 1
     assert checked >= 10
+
+
+def _poisson_min(mu: float, left: float, prompt: float, seats: int) -> float:
+    """E[min(left, min(N, seats) x prompt)] for N ~ Poisson(mu), term by term."""
+    import math
+
+    return sum(
+        math.exp(-mu) * mu**k / math.factorial(k) * min(left, min(k, seats) * prompt)
+        for k in range(60)
+    )
+
+
+def test_later_arrivals_join_the_candidates_last_step_with_the_budget_it_leaves() -> None:
+    # an idle engine with a 50-ms step in flight: a 100-token candidate's only step starts
+    # in 50 ms and leaves 412 tokens; requests arrive at 0.02/ms (1 expected meanwhile),
+    # 100 tokens each: its step is longer by 0.1 ms x E[min(412, N x 100)]
+    empty = InstanceState.empty()
+    new = np.array([100], dtype=np.int64)
+    alone = standalone_ttft_ms(empty, new, M, SCHED, start_delay_ms=50.0)[0]
+    assert alone == pytest.approx(50.0 + 5.0 + 10.0)
+    later = LaterArrivals(rate_per_ms=0.02, prompt_tokens=100.0)
+    got = standalone_ttft_ms(empty, new, M, SCHED, start_delay_ms=50.0, later=later)[0]
+    assert got == pytest.approx(alone + 0.1 * _poisson_min(1.0, 412.0, 100.0, 15))
+    # nobody arriving, or the step starting now: nothing to add
+    none = LaterArrivals(rate_per_ms=0.0, prompt_tokens=100.0)
+    assert standalone_ttft_ms(empty, new, M, SCHED, start_delay_ms=50.0, later=none)[0] == (
+        pytest.approx(alone)
+    )
+    assert standalone_ttft_ms(empty, new, M, SCHED, later=later)[0] == pytest.approx(15.0)
+
+
+def test_later_arrivals_find_no_seat_when_the_batch_is_full() -> None:
+    # 15 decoding residents and the candidate fill max_num_seqs (16): nobody joins
+    full = _state([(50, 50, 1, 1000)] * 15)
+    new = np.array([100], dtype=np.int64)
+    later = LaterArrivals(rate_per_ms=1.0, prompt_tokens=100.0)
+    base = standalone_ttft_ms(full, new, M, SCHED, start_delay_ms=20.0)[0]
+    assert standalone_ttft_ms(full, new, M, SCHED, start_delay_ms=20.0, later=later)[0] == (
+        pytest.approx(base)
+    )
+
+
+def test_the_arrival_rate_is_read_from_the_residents_and_the_finished_requests() -> None:
+    st = _state([(100, 0, 0, 10), (300, 0, 0, 10), (50, 50, 3, 10)])
+    done = _done([(200, 2, 400.0, 100.0), (1000, 2, 1500.0, 900.0)])  # the second: too old
+    got = later_arrivals(st, np.array([100.0, 2000.0, 0.0]), done, window_ms=1000.0)
+    # within the last second: the first resident (the third's age is unknown) and the first
+    # finished request
+    assert got.rate_per_ms == pytest.approx(2 / 1000.0)
+    assert got.prompt_tokens == pytest.approx(150.0)
+    assert later_arrivals(InstanceState.empty(), np.zeros(0)).rate_per_ms == 0.0
+    with pytest.raises(ValueError, match="rate_per_ms"):
+        LaterArrivals(rate_per_ms=-1.0, prompt_tokens=10.0)
