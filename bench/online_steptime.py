@@ -1,7 +1,7 @@
 """Online recalibration of Eq. 9 on a REAL vLLM server (issue 18 item 5): the live SFS TTFT
 error over time, starting from a wrong profile, beside an offline-fitted one.
 
-    flock /work/locks/vllm .venv/bin/python bench/online_steptime.py [--minutes 5] [--out F]
+    .venv/bin/python bench/online_steptime.py [--minutes 5] [--out F]
 
 Starts one real vLLM server (instance ``wide-0`` of configs/clusters/real-vllm-cpu.yaml,
 ``switchyard.vllm_servers``) and sends it Poisson arrivals (``--rate`` per second) with

@@ -1,7 +1,7 @@
 """Live TTFT validation on a REAL vLLM server: SFS, the simulated engine and the throughput
 baseline against measured TTFTs (issue 18 item 4).
 
-    /work/locks/quiet nice -n -10 .venv/bin/python bench/real_vllm.py --out run1.json   # x3
+    nice -n -10 .venv/bin/python bench/real_vllm.py --out run1.json   # x3
     .venv/bin/python bench/real_vllm.py --summarise run1.json,run2.json,run3.json
 
 Starts one real vLLM server (instance ``wide-0`` of configs/clusters/real-vllm-cpu.yaml,

@@ -2,7 +2,7 @@
 caching on (issue 14 item 5, "repeat it there"), a multi-turn workload whose turns share
 their conversation prefix.
 
-    flock /work/locks/heavy nice -n 10 .venv/bin/python bench/real_vllm_prefix.py [--quick]
+    nice -n 10 .venv/bin/python bench/real_vllm_prefix.py [--quick]
 
 Starts the two instances of configs/clusters/real-vllm-cpu.yaml (``switchyard.vllm_servers``)
 with automatic prefix caching switched on for both models (the shipped config leaves it off
