@@ -46,6 +46,7 @@ counted per request (conservative).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,24 @@ class Segment:
         m = self.steps if steps is None else steps
         base, growth = self.base_growth_ms(model)
         return m * base + growth * (m * (m - 1) / 2.0)
+
+    def steps_within(self, model: StepTimeModel, span_ms: float) -> int:
+        """The most whole steps of the segment whose Eq. 9 total fits in ``span_ms`` (the
+        inverse of :meth:`total_ms`), at most ``steps``."""
+        if span_ms <= 0.0:
+            return 0
+        base, growth = self.base_growth_ms(model)
+        if growth > 0.0:
+            b = base - growth / 2.0
+            m = int((-b + math.sqrt(b * b + 2.0 * growth * span_ms)) / growth)
+        else:
+            m = int(span_ms / base) if base > 0.0 else self.steps
+        m = min(max(m, 0), self.steps)
+        while m > 0 and self.total_ms(model, m) > span_ms + 1e-9:  # the root rounded up
+            m -= 1
+        while m < self.steps and self.total_ms(model, m + 1) <= span_ms + 1e-9:  # or down
+            m += 1
+        return m
 
 
 @dataclass(frozen=True)

@@ -553,22 +553,6 @@ def _all_decoding_fast_path(
     return np.asarray(mf * base + growth * mf * (mf - 1.0) / 2.0, dtype=np.float64)
 
 
-def _steps_within(base_ms: float, growth_ms: float, span_ms: float, cap: int) -> int:
-    """The most whole steps of a segment (step j costs ``base + growth*j``) that fit in
-    ``span_ms``, at most ``cap``."""
-    if span_ms <= 0.0:
-        return 0
-    if growth_ms > 0.0:
-        b = base_ms - growth_ms / 2.0
-        m = int((-b + math.sqrt(b * b + 2.0 * growth_ms * span_ms)) / growth_ms)
-    else:
-        m = int(span_ms / base_ms) if base_ms > 0.0 else cap
-    m = min(max(m, 0), cap)
-    while m > 0 and m * base_ms + growth_ms * m * (m - 1) / 2.0 > span_ms + 1e-9:
-        m -= 1
-    return m
-
-
 def _finished_in_replay(finished: RecentFinished | None, start_ms: float) -> tuple[IntArray, float]:
     """Rows of ``finished`` the replay from ``start_ms`` (ms relative to now, <= 0) must
     include: those that left after the replay starts. One that arrived before that start
@@ -706,7 +690,7 @@ def catch_up(
             end = 0.0
             break
         horizon = min(0.0, float(arrive[k])) if k < arrive.size else 0.0
-        m = _steps_within(base, growth, horizon - t, seg.steps)
+        m = seg.steps_within(model, horizon - t)
         if m == 0:  # the next step starts before the horizon and ends after it: it runs
             m = 1
         t += seg.total_ms(model, m)

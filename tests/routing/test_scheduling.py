@@ -79,6 +79,24 @@ def test_segment_jumps_over_identical_steps() -> None:
     assert w.decoded.tolist() == [5, 5, 5]
 
 
+def test_steps_within_is_the_inverse_of_total_ms() -> None:
+    # decoders whose steps grow with context: the most whole steps that fit in a span
+    from routing.steptime import StepTimeModel
+
+    model = StepTimeModel(
+        c0_ms=5.0, c1_ms_per_token=0.1, c2_ms_per_ctx_token=0.01, c3_ms_per_attn_unit=0.0
+    )
+    seg = wl([10, 10, 10], [10, 10, 10], [1, 1, 1], [41, 41, 41]).plan()
+    assert seg is not None and seg.steps == 40
+    for m in range(seg.steps + 1):
+        total = seg.total_ms(model, m)
+        assert seg.steps_within(model, total) == m
+        if m < seg.steps:
+            assert seg.steps_within(model, (total + seg.total_ms(model, m + 1)) / 2) == m
+    assert seg.steps_within(model, 0.0) == 0
+    assert seg.steps_within(model, 1e9) == seg.steps
+
+
 def test_partial_application_of_a_segment() -> None:
     w = wl([10], [10], [1], [11])
     seg = w.plan()
