@@ -649,18 +649,11 @@ def catch_up(
     fin_rows, _ = _finished_in_replay(finished, float(-waited[res_rows].max()))
     # arrivals in FCFS order (ms relative to now): residents are state rows (>= 0), finished
     # requests -1 - their row in ``finished``; at equal times a finished request came first
-    arrive = np.concatenate(
-        [-waited[res_rows], -finished.arrived_ms[fin_rows] if finished is not None else []]
-    )
+    fin = finished if finished is not None else RecentFinished.of(np.zeros((0, 4)))
+    arrive = np.concatenate([-waited[res_rows], -fin.arrived_ms[fin_rows]])
     label = np.concatenate([res_rows, -1 - fin_rows])
-    prompts = np.concatenate(
-        [state.prompt_tokens[res_rows], finished.prompt_tokens[fin_rows] if finished is not None
-         else np.zeros(0, dtype=np.int64)]
-    )  # fmt: skip
-    outs = np.concatenate(
-        [never[res_rows], finished.output_tokens[fin_rows] if finished is not None
-         else np.zeros(0, dtype=np.int64)]
-    )  # fmt: skip
+    prompts = np.concatenate([state.prompt_tokens[res_rows], fin.prompt_tokens[fin_rows]])
+    outs = np.concatenate([never[res_rows], fin.output_tokens[fin_rows]])
     order = np.lexsort((label, arrive))
     arrive, label = arrive[order], label[order]
     prompts = np.minimum(prompts[order].astype(np.int64), cap - 1)
