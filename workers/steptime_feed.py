@@ -26,6 +26,10 @@ first token (nothing in flight when sent, nothing sent before the first token ca
 engine-side TTFT minus the current model's Eq. 9 prefill; the median of the recent ones
 (:meth:`StepTimeFeed.server_ms`) is published with the dispatch delay, in the same field
 (:meth:`StepTimeFeed.dispatch_ms`), since the router adds both to every TTFT it predicts.
+The dispatch delay is the path from the router's decision to the engine less the time the
+request waited for one of the worker's concurrency slots: that wait is load, which the router
+already prices (the queued request is a resident of the instance's snapshot), not transport;
+counting it here too would add the queue twice once an instance saturates.
 
 Two live errors are kept over the last ``error_window`` requests: ``router``, the SFS TTFT
 the router predicted at decision time (``Decision.predicted_ttft_ms``) against the TTFT
@@ -144,11 +148,13 @@ class StepTimeFeed:
         *,
         predicted_ttft_ms: float | None = None,
         decided_at: float | None = None,
+        slot_wait_s: float = 0.0,
     ) -> None:
         """The request is handed to the engine now (``decided_at``: the router's decision,
-        on the same clock as ``now``)."""
+        on the same clock as ``now``; ``slot_wait_s``: how long it waited here for one of the
+        worker's concurrency slots, which is left out of the dispatch delay)."""
         if decided_at is not None:
-            delay_ms = (now - decided_at) * 1000.0
+            delay_ms = (now - decided_at - max(0.0, slot_wait_s)) * 1000.0
             if math.isfinite(delay_ms) and 0.0 <= delay_ms <= self.config.max_dispatch_ms:
                 self._dispatch_ms.append(delay_ms)
         self._order += 1

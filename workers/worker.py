@@ -654,9 +654,11 @@ class Worker:
             await self._best_effort(self.state.resident_add(self.instance_id, resident))
             self.metrics.queued.inc()
             acquired = False
+            queued_at = time.time()
             try:
                 async with self._sem:
                     acquired = True
+                    slot_wait_s = time.time() - queued_at
                     self.metrics.queued.dec()
                     at.stage = "claim"
                     if not await self._claim(q.id):
@@ -699,7 +701,9 @@ class Worker:
                     relay = self._relay(rq, attempt)
                     self._prefix_started(rq, prompt_tokens)
                     try:
-                        gen = await self._generate(rq, prompt_tokens, predicted, writer, relay)
+                        gen = await self._generate(
+                            rq, prompt_tokens, predicted, writer, relay, slot_wait_s=slot_wait_s
+                        )
                         if relay is not None:
                             await relay.finish(gen)
                     finally:
@@ -826,6 +830,8 @@ class Worker:
         predicted: int,
         writer: _ProgressWriter,
         relay: RelayWriter | None = None,
+        *,
+        slot_wait_s: float = 0.0,
     ) -> Generation:
         q = rq.query
         k = max(1, self.config.progress_every_tokens)
@@ -867,6 +873,7 @@ class Worker:
                 time.time(),
                 predicted_ttft_ms=rq.decision.predicted_ttft_ms,
                 decided_at=rq.decision.decided_at,
+                slot_wait_s=slot_wait_s,
             )
         gen: Generation | None = None
         try:

@@ -104,6 +104,16 @@ def test_the_feed_keeps_each_requests_decision_to_engine_delay() -> None:
     assert feed.dispatch_ms() == pytest.approx(5.0)
 
 
+def test_a_wait_for_a_worker_slot_is_load_not_dispatch() -> None:
+    feed = StepTimeFeed(PRIOR, SCHED, StepTimeFeedConfig(error_window=8))
+    # decided at 10.0, received at 10.015, waited 0.5 s for a slot, sent at 10.525
+    feed.sent("a", 100, 10, 10.525, decided_at=10.0, slot_wait_s=0.5)
+    assert feed.dispatch_ms() == pytest.approx(25.0)
+    feed.sent("b", 100, 10, 20.030, decided_at=20.0)  # no wait: all of it is dispatch
+    feed.sent("c", 100, 10, 30.035, decided_at=30.0, slot_wait_s=0.0)
+    assert feed.dispatch_ms() == pytest.approx(30.0)
+
+
 def test_lone_requests_measure_the_servers_own_time_published_with_the_dispatch() -> None:
     feed = StepTimeFeed(PRIOR, SCHED, StepTimeFeedConfig(error_window=8))
     assert feed.server_ms() is None
