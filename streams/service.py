@@ -873,11 +873,15 @@ class RouterService:
         intents: dict[str, RouteIntent] = {}
         counted: list[tuple[Decision, Query]] = []
         windows: dict[int, bytes] = {}  # each WindowStats' JSON, once (schemas.decision_bytes)
+        route_topics: dict[str, str] = {}  # instance id -> its checked topic name, once
+        outs, marks, inputs = out.outs, out.routed_marks, out.routed_inputs
+        decisions_topic = topics.DECISIONS
         for p, d in routed:
             q = p.query
+            qid = q.id
             update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
-            if cached and q.id in cached:
-                update["predicted_cached_tokens"] = cached[q.id]
+            if cached and qid in cached:
+                update["predicted_cached_tokens"] = cached[qid]
             if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
                 update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
             if p.rerouted_from is not None:
@@ -886,16 +890,18 @@ class RouterService:
                 update["reason"] = f"{why}; {d.reason}" if d.reason else why
             d = d.model_copy(update=update)
             instance_id = str(d.instance_id)
+            topic = route_topics.get(instance_id)
+            if topic is None:
+                topic = route_topics[instance_id] = topics.route(instance_id)
             dec_json = decision_bytes(d, windows)
-            routed_bytes = routed_query_bytes(p.raw, dec_json)
-            key = q.id.encode()
-            out.outs.append((topics.route(instance_id), key, routed_bytes))
-            out.outs.append((topics.DECISIONS, key, dec_json))
-            out.routed_marks[q.id] = instance_id
-            intents[q.id] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
-            out.routed_inputs.append(p.inbound)
-            out.outcome.routed += 1
+            key = qid.encode()
+            outs.append((topic, key, routed_query_bytes(p.raw, dec_json)))
+            outs.append((decisions_topic, key, dec_json))
+            marks[qid] = instance_id
+            intents[qid] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
+            inputs.append(p.inbound)
             counted.append((d, q))
+        out.outcome.routed += len(counted)
         self._count_routed(counted)
         return intents
 
