@@ -77,6 +77,7 @@ from schemas import (
     Result,
     ResultCode,
     decision_bytes,
+    decision_with,
     parse_query,
     routed_query_bytes,
 )
@@ -817,9 +818,9 @@ class RouterService:
             if tw is None:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
+            specs = {iid: self.cluster.model_of(iid) for iid in {str(d.instance_id) for _, _, d in group}}
             amounts = {
-                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for _, p, d in group
+                p.query.id: specs[str(d.instance_id)].max_cost_usd(p.query) for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
@@ -888,7 +889,7 @@ class RouterService:
                 update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
                 why = f"re-routed from silent instance {p.rerouted_from}"
                 update["reason"] = f"{why}; {d.reason}" if d.reason else why
-            d = d.model_copy(update=update)
+            d = decision_with(d, update)
             instance_id = str(d.instance_id)
             topic = route_topics.get(instance_id)
             if topic is None:
@@ -1123,31 +1124,38 @@ class RouterService:
         """The window's routed queries in the metrics: one ``inc`` per label, not per query
         (a labelled child's lookup and lock cost microseconds each)."""
         m = self.metrics
-        statuses: Counter[str] = Counter()
+        statuses: Counter[DecisionStatus] = Counter()
         instances: Counter[str] = Counter()
-        flags: Counter[str] = Counter()
+        flags: Counter[DecisionFlag] = Counter()
         spend: dict[str, float] = {}
         predicted = met = 0
-        rate = 0.1 / max(self.config.window_s, 1e-3)
         for d, q in routed:
-            statuses[d.status.value] += 1
-            inst = str(d.instance_id)
-            instances[inst] += 1
+            statuses[d.status] += 1
+            instances[str(d.instance_id)] += 1
             for flag in d.flags:
-                flags[flag.value] += 1
-            if d.predicted_cost_usd:
-                spend[q.tenant] = spend.get(q.tenant, 0.0) + d.predicted_cost_usd
-            if d.predicted_ttft_ms is not None:
+                flags[flag] += 1
+            cost = d.predicted_cost_usd
+            if cost:
+                spend[q.tenant] = spend.get(q.tenant, 0.0) + cost
+            ttft = d.predicted_ttft_ms
+            if ttft is not None:
                 predicted += 1
-                met += d.predicted_ttft_ms <= q.ttft_slo_ms
-            # the arrival-rate average, one step per routed query (as the views read it)
-            self._arrivals[inst] = self._arrivals.get(inst, 0.0) * 0.9 + rate
+                met += ttft <= q.ttft_slo_ms
+        # the arrival-rate average, one step per routed query (as the views read it): each
+        # instance's average is its own, so stepping it its count of times in a row is exact
+        rate = 0.1 / max(self.config.window_s, 1e-3)
+        arrivals = self._arrivals
+        for inst, c in instances.items():
+            avg = arrivals.get(inst, 0.0)
+            for _ in range(c):
+                avg = avg * 0.9 + rate
+            arrivals[inst] = avg
         for status, c in statuses.items():
-            m.decisions.labels(status).inc(c)
+            m.decisions.labels(status.value).inc(c)
         for inst, c in instances.items():
             m.routed.labels(inst).inc(c)
         for flag, c in flags.items():
-            m.flags.labels(flag).inc(c)
+            m.flags.labels(flag.value).inc(c)
         for tenant, usd in spend.items():
             m.spend_usd.labels(tenant).inc(usd)
         if predicted:
