@@ -86,7 +86,7 @@ from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
-from streams.metrics import RouterMetrics
+from streams.metrics import RouterMetrics, observe_many
 from streams.views import (
     TenantWindow,
     instance_views,
@@ -124,7 +124,7 @@ class Inbound:
     undecodable: str | None = None  # a record batch the consumer could not decode (why)
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A valid, deduplicated query waiting for a decision."""
 
@@ -464,9 +464,10 @@ class RouterService:
         of earlier calls (``earlier``: retried or held) that are finished now are released
         here."""
         now = time.time()
-        for inbound in out.routed_inputs:
-            if inbound.timestamp_s:
-                self.metrics.added_latency_seconds.observe(max(0.0, now - inbound.timestamp_s))
+        observe_many(
+            self.metrics.added_latency_seconds,
+            [max(0.0, now - it.timestamp_s) for it in out.routed_inputs if it.timestamp_s],
+        )
         self._held = out.held
         pending_ids = {id(p.inbound) for p in out.held}
         unfinished = [it for it in items if id(it) in pending_ids]
