@@ -73,6 +73,7 @@ from schemas import (
     DecisionFlag,
     DecisionStatus,
     Limits,
+    ModelSpec,
     Query,
     Result,
     ResultCode,
@@ -702,9 +703,15 @@ class RouterService:
         tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
         One pipelined call; a query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
+        specs: dict[str, ModelSpec] = {}  # each instance's model, looked up once
         for p, d in routed:
+            if p.query.id in taken:
+                continue
             iid = str(d.instance_id)
-            touch = None if p.query.id in taken else touch_of(iid, p.query, self.cluster.model_of(iid))
+            spec = specs.get(iid)
+            if spec is None:
+                spec = specs[iid] = self.cluster.model_of(iid)
+            touch = touch_of(iid, p.query, spec)
             if touch is not None:
                 touches.append(touch)
         if touches:
