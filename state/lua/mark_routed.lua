@@ -13,9 +13,10 @@ for i, key in ipairs(KEYS) do
   end
   local instance = string.sub(ids, pos, (stop or 0) - 1)
   pos = (stop or 0) + 1
-  if redis.call('EXISTS', key) == 1 then
+  -- an entry holds its body hash beside the intent, so a dropped intent proves it lives
+  -- (the usual case: one command less than asking first)
+  if redis.call('HDEL', key, 'intent') == 1 or redis.call('EXISTS', key) == 1 then
     redis.call('HSET', key, 'routed', instance)
-    redis.call('HDEL', key, 'intent')
     n = n + 1
   end
 end
