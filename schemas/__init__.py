@@ -19,6 +19,7 @@ from schemas.messages import (
     RoutedQuery,
     WindowStats,
     decision_bytes,
+    decision_with,
     routed_query_bytes,
     routed_query_raw,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "WindowStats",
     "decode_json",
     "decision_bytes",
+    "decision_with",
     "routed_query_bytes",
     "routed_query_raw",
     "parse_model",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,6 +93,23 @@ class RoutedQuery(BaseModel):
 
 _ROUTED_HEAD, _ROUTED_SEP = b'{"query":', b',"decision":'
 _WINDOW_FIELD = b',"window":'
+_DECISION_JSON = Decision.__pydantic_serializer__.to_json
+_DECISION_FIELDS = frozenset(Decision.model_fields)
+_new_object, _set = object.__new__, object.__setattr__
+_NO_WINDOW = {"window"}  # a set: pydantic-core takes a frozenset slowly (converted per call)
+
+
+def decision_with(d: Decision, update: dict[str, Any]) -> Decision:
+    """``d.model_copy(update=update)`` (fields of ``Decision`` only, not validated, as
+    there), at half its cost: the router copies each routed query's decision once."""
+    if not _DECISION_FIELDS.issuperset(update):
+        raise ValueError(f"not fields of Decision: {sorted(update.keys() - _DECISION_FIELDS)}")
+    copied = _new_object(Decision)
+    _set(copied, "__dict__", {**d.__dict__, **update})
+    _set(copied, "__pydantic_fields_set__", d.__pydantic_fields_set__ | update.keys())
+    _set(copied, "__pydantic_extra__", None)
+    _set(copied, "__pydantic_private__", None)
+    return copied
 
 
 def decision_bytes(d: Decision, windows: dict[int, bytes]) -> bytes:
@@ -100,12 +118,13 @@ def decision_bytes(d: Decision, windows: dict[int, bytes]) -> bytes:
     it. Keep one ``windows`` for decisions that stay alive together (one window's, which
     share their stats), so no id is reused by another object while it is kept."""
     if d.window is None:
-        return d.model_dump_json(exclude_none=True).encode()
+        return _DECISION_JSON(d, exclude_none=True)
     key = id(d.window)
     window = windows.get(key)
     if window is None:
         window = windows[key] = d.window.model_dump_json(exclude_none=True).encode()
-    head = d.model_dump_json(exclude_none=True, exclude={"window"}).encode()
+    # pydantic's serializer itself: bytes, as ``model_dump_json`` would encode them
+    head = _DECISION_JSON(d, exclude_none=True, exclude=_NO_WINDOW)
     return head[:-1] + _WINDOW_FIELD + window + b"}"
 
 

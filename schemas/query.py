@@ -9,7 +9,9 @@ the prompt's prefix identity (``prefix_hashes``, ``prefix_block_tokens``; ``sche
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -134,10 +136,30 @@ class Query(BaseModel):
         if info.context and isinstance(info.context, dict):
             cap = info.context.get("max_prompt_bytes")
         if cap is not None:
-            size = len(self.text().encode("utf-8", "surrogatepass"))
+            size = self.text_size_bytes  # measured once, kept for the router (_MEMO)
             if size > cap:
                 raise ValueError(f"prompt is {size} bytes, over the cap of {cap} bytes")
         return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """``BaseModel.model_copy``, without the text measures of ``self`` when ``update``
+        may change the text (``_MEMO``)."""
+        copied = super().model_copy(update=update, deep=deep)
+        if update:
+            for name in _MEMO:
+                copied.__dict__.pop(name, None)
+        return copied
+
+    @cached_property
+    def text_size_bytes(self) -> int:
+        """UTF-8 bytes of ``text()``, measured once per query (the router asks for it in
+        several places of a window: reservation, prefix model, cost and length estimates)."""
+        return len(self.text().encode("utf-8", "surrogatepass"))
+
+    @cached_property
+    def text_prefix_hashes(self) -> tuple[int, ...]:
+        """``schemas.prefix.text_block_hashes`` of ``text()``, computed once per query."""
+        return tuple(text_block_hashes(self.text()))
 
     @property
     def kind(self) -> Literal["completion", "chat"]:
@@ -157,7 +179,7 @@ class Query(BaseModel):
     def prompt_tokens_upper_bound(self) -> int:
         """At most this many prompt tokens: one per UTF-8 byte (byte-level BPE never does
         worse) plus chat-template tokens, or the producer's count if that is larger."""
-        size = len(self.text().encode("utf-8", "surrogatepass"))
+        size = self.text_size_bytes
         template = 8 + 8 * len(self.messages) if self.messages is not None else 2
         return max(size + template, self.prompt_tokens or 0)
 
@@ -166,11 +188,17 @@ class Query(BaseModel):
         ``prefix_hashes`` when given, else derived from the text (``schemas.prefix``)."""
         if self.prefix_hashes is not None:
             return list(self.prefix_hashes), float(self.prefix_block_tokens)
-        data = self.text().encode("utf-8", "surrogatepass")
-        return text_block_hashes(data), text_block_tokens(len(data), self.prompt_tokens)
+        hashes = self.text_prefix_hashes
+        return list(hashes), text_block_tokens(self.text_size_bytes, self.prompt_tokens)
 
     def estimated_prompt_tokens(self) -> int:
         """``prompt_tokens`` when the producer gave it, else ~4 bytes per token."""
         if self.prompt_tokens is not None:
             return self.prompt_tokens
-        return max(1, math.ceil(len(self.text().encode("utf-8", "surrogatepass")) / 4))
+        return max(1, math.ceil(self.text_size_bytes / 4))
+
+
+# the text measures a Query keeps once asked (``functools.cached_property``: in its
+# ``__dict__``, outside its fields, so neither equality nor serialisation sees them);
+# ``Query.model_copy`` with an update drops them
+_MEMO = ("text_size_bytes", "text_prefix_hashes")

@@ -39,8 +39,8 @@ class RedisClaims(RedisCore):
         if not math.isfinite(lease) or lease < 0:
             raise ValueError(f"lease_s must be a finite number >= 0, got {lease_s}")
         ids = [self.keys.check_query_id(q) for q in query_ids]
-        reply = await self._script(
-            "reserve_slots", [self.keys.slots(instance_id)], [max_slots, repr(lease), *ids]
+        reply = await self._script(  # the ids in one argument (reserve_slots.lua)
+            "reserve_slots", [self.keys.slots(instance_id)], [max_slots, repr(lease), "\n".join(ids)]
         )
         return [bool(x) for x in reply]
 

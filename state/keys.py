@@ -79,6 +79,13 @@ def dedupe_bucket(query_id: str) -> int:
     return zlib.crc32(_check(_QUERY, query_id, "query id").encode()) % DEDUPE_BUCKETS
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _checked_query_id(query_id: str) -> str:
+    """A valid query id, memoised: a router checks each one in every reservation of its
+    window (budget and slot), and the check is a regular expression."""
+    return _check(_QUERY, query_id, "query id")
+
+
 @dataclass(frozen=True)
 class Keys:
     """Builds every key; validates ids so a key can never carry a stray hash tag."""
@@ -148,6 +155,8 @@ class Keys:
         return f"{self.namespace}:start:{{{_check(_QUERY, query_id, 'query id')}}}"
 
     def check_query_id(self, query_id: str) -> str:
+        if type(query_id) is str:
+            return _checked_query_id(query_id)
         return _check(_QUERY, query_id, "query id")
 
     def check_instance_id(self, instance_id: str) -> str:

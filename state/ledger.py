@@ -55,9 +55,11 @@ class RedisLedger(RedisCore):
             usd_to_nano(limit_usd, "limit_usd", round_up=False),
             ledger_expire_at(period_id),
         ]
-        for qid, usd in amounts_usd.items():
-            args += [self.keys.check_query_id(qid), usd_to_nano(usd, f"query {qid}: amount")]
-        reply = await self._script("reserve_budget", keys, args)
+        check = self.keys.check_query_id
+        qids = "\n".join([check(qid) for qid in amounts_usd])
+        nanos = "\n".join([str(usd_to_nano(usd, "amount", q)) for q, usd in amounts_usd.items()])
+        # the ids in one argument, their amounts in another (reserve_budget.lua)
+        reply = await self._script("reserve_budget", keys, [*args, qids, nanos])
         return {qid: bool(ok) for qid, ok in zip(amounts_usd, reply, strict=True)}
 
     async def release_budget(self, tenant: str, period_id: str, query_ids: Sequence[str]) -> None:

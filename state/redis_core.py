@@ -151,8 +151,11 @@ def period_bounds(period: str) -> tuple[float, float] | None:
     return int(index) * p, (int(index) + 1) * p
 
 
-def usd_to_nano(usd: float, what: str, *, round_up: bool = True) -> int:
-    """USD → integer nano-USD; reservations round up so rounding never lets spend through."""
+def usd_to_nano(usd: float, what: str, query_id: str = "", *, round_up: bool = True) -> int:
+    """USD → integer nano-USD; reservations round up so rounding never lets spend through.
+    ``what`` (of ``query_id`` when given) names the amount in an error."""
+    if query_id:
+        what = f"query {query_id}: {what}"
     if not isinstance(usd, int | float) or not math.isfinite(usd) or usd < 0:
         raise ValueError(f"{what} must be a finite number >= 0 USD, got {usd!r}")
     scaled = usd * NANO_PER_USD

@@ -78,8 +78,11 @@ class BatchSink:
 
     async def send_all(self, outs: list[tuple[str, bytes, bytes]]) -> None:
         groups: dict[tuple[str, int], list[tuple[bytes, bytes]]] = {}
+        known = self._partitions
         for topic, key, value in outs:
-            parts = await self._parts(topic)
+            parts = known.get(topic)
+            if parts is None:  # a topic's first message only: no await per message
+                parts = await self._parts(topic)
             part = parts[zlib.crc32(key) % len(parts)]
             groups.setdefault((topic, part), []).append((key, value))
         futures = []

@@ -6,7 +6,9 @@ collide; ``serve(port)`` exposes it over HTTP (``/metrics``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -180,3 +182,26 @@ class RouterMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
+    """``histogram.observe(a)`` for each amount, with one increment per bucket and one of the
+    sum (``observe`` walks the bucket bounds in Python and takes a lock per increment: ~1.3
+    µs an amount, once per routed query). An unlabelled histogram of prometheus_client's
+    layout only; any other is observed one amount at a time."""
+    values = [float(a) for a in amounts]
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            histogram.observe(v)
+        return
+    if not values:
+        return
+    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]
+    # the first bound >= the amount, as observe's loop finds it; NaN fits no bucket
+    counts = Tally(bisect_left(bounds, v) for v in values if v == v)
+    total.inc(sum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)

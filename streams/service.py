@@ -73,10 +73,12 @@ from schemas import (
     DecisionFlag,
     DecisionStatus,
     Limits,
+    ModelSpec,
     Query,
     Result,
     ResultCode,
     decision_bytes,
+    decision_with,
     parse_query,
     routed_query_bytes,
 )
@@ -85,7 +87,7 @@ from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
 from streams.blind import BlindLedger
 from streams.ledger_rebuild import LedgerGuard, LedgerRebuilding
-from streams.metrics import RouterMetrics
+from streams.metrics import RouterMetrics, observe_many
 from streams.views import (
     TenantWindow,
     instance_views,
@@ -123,7 +125,7 @@ class Inbound:
     undecodable: str | None = None  # a record batch the consumer could not decode (why)
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A valid, deduplicated query waiting for a decision."""
 
@@ -463,9 +465,10 @@ class RouterService:
         of earlier calls (``earlier``: retried or held) that are finished now are released
         here."""
         now = time.time()
-        for inbound in out.routed_inputs:
-            if inbound.timestamp_s:
-                self.metrics.added_latency_seconds.observe(max(0.0, now - inbound.timestamp_s))
+        observe_many(
+            self.metrics.added_latency_seconds,
+            [max(0.0, now - it.timestamp_s) for it in out.routed_inputs if it.timestamp_s],
+        )
         self._held = out.held
         pending_ids = {id(p.inbound) for p in out.held}
         unfinished = [it for it in items if id(it) in pending_ids]
@@ -700,9 +703,15 @@ class RouterService:
         tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
         One pipelined call; a query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
+        specs: dict[str, ModelSpec] = {}  # each instance's model, looked up once
         for p, d in routed:
+            if p.query.id in taken:
+                continue
             iid = str(d.instance_id)
-            touch = None if p.query.id in taken else touch_of(iid, p.query, self.cluster.model_of(iid))
+            spec = specs.get(iid)
+            if spec is None:
+                spec = specs[iid] = self.cluster.model_of(iid)
+            touch = touch_of(iid, p.query, spec)
             if touch is not None:
                 touches.append(touch)
         if touches:
@@ -817,9 +826,9 @@ class RouterService:
             if tw is None:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
+            specs = {iid: self.cluster.model_of(iid) for iid in {str(d.instance_id) for _, _, d in group}}
             amounts = {
-                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for _, p, d in group
+                p.query.id: specs[str(d.instance_id)].max_cost_usd(p.query) for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
@@ -873,29 +882,35 @@ class RouterService:
         intents: dict[str, RouteIntent] = {}
         counted: list[tuple[Decision, Query]] = []
         windows: dict[int, bytes] = {}  # each WindowStats' JSON, once (schemas.decision_bytes)
+        route_topics: dict[str, str] = {}  # instance id -> its checked topic name, once
+        outs, marks, inputs = out.outs, out.routed_marks, out.routed_inputs
+        decisions_topic = topics.DECISIONS
         for p, d in routed:
             q = p.query
+            qid = q.id
             update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
-            if cached and q.id in cached:
-                update["predicted_cached_tokens"] = cached[q.id]
+            if cached and qid in cached:
+                update["predicted_cached_tokens"] = cached[qid]
             if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
                 update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
             if p.rerouted_from is not None:
                 update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
                 why = f"re-routed from silent instance {p.rerouted_from}"
                 update["reason"] = f"{why}; {d.reason}" if d.reason else why
-            d = d.model_copy(update=update)
+            d = decision_with(d, update)
             instance_id = str(d.instance_id)
+            topic = route_topics.get(instance_id)
+            if topic is None:
+                topic = route_topics[instance_id] = topics.route(instance_id)
             dec_json = decision_bytes(d, windows)
-            routed_bytes = routed_query_bytes(p.raw, dec_json)
-            key = q.id.encode()
-            out.outs.append((topics.route(instance_id), key, routed_bytes))
-            out.outs.append((topics.DECISIONS, key, dec_json))
-            out.routed_marks[q.id] = instance_id
-            intents[q.id] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
-            out.routed_inputs.append(p.inbound)
-            out.outcome.routed += 1
+            key = qid.encode()
+            outs.append((topic, key, routed_query_bytes(p.raw, dec_json)))
+            outs.append((decisions_topic, key, dec_json))
+            marks[qid] = instance_id
+            intents[qid] = RouteIntent(instance_id, dec_json.decode(), p.rerouted_from)
+            inputs.append(p.inbound)
             counted.append((d, q))
+        out.outcome.routed += len(counted)
         self._count_routed(counted)
         return intents
 
@@ -1117,31 +1132,38 @@ class RouterService:
         """The window's routed queries in the metrics: one ``inc`` per label, not per query
         (a labelled child's lookup and lock cost microseconds each)."""
         m = self.metrics
-        statuses: Counter[str] = Counter()
+        statuses: Counter[DecisionStatus] = Counter()
         instances: Counter[str] = Counter()
-        flags: Counter[str] = Counter()
+        flags: Counter[DecisionFlag] = Counter()
         spend: dict[str, float] = {}
         predicted = met = 0
-        rate = 0.1 / max(self.config.window_s, 1e-3)
         for d, q in routed:
-            statuses[d.status.value] += 1
-            inst = str(d.instance_id)
-            instances[inst] += 1
+            statuses[d.status] += 1
+            instances[str(d.instance_id)] += 1
             for flag in d.flags:
-                flags[flag.value] += 1
-            if d.predicted_cost_usd:
-                spend[q.tenant] = spend.get(q.tenant, 0.0) + d.predicted_cost_usd
-            if d.predicted_ttft_ms is not None:
+                flags[flag] += 1
+            cost = d.predicted_cost_usd
+            if cost:
+                spend[q.tenant] = spend.get(q.tenant, 0.0) + cost
+            ttft = d.predicted_ttft_ms
+            if ttft is not None:
                 predicted += 1
-                met += d.predicted_ttft_ms <= q.ttft_slo_ms
-            # the arrival-rate average, one step per routed query (as the views read it)
-            self._arrivals[inst] = self._arrivals.get(inst, 0.0) * 0.9 + rate
+                met += ttft <= q.ttft_slo_ms
+        # the arrival-rate average, one step per routed query (as the views read it): each
+        # instance's average is its own, so stepping it its count of times in a row is exact
+        rate = 0.1 / max(self.config.window_s, 1e-3)
+        arrivals = self._arrivals
+        for inst, c in instances.items():
+            avg = arrivals.get(inst, 0.0)
+            for _ in range(c):
+                avg = avg * 0.9 + rate
+            arrivals[inst] = avg
         for status, c in statuses.items():
-            m.decisions.labels(status).inc(c)
+            m.decisions.labels(status.value).inc(c)
         for inst, c in instances.items():
             m.routed.labels(inst).inc(c)
         for flag, c in flags.items():
-            m.flags.labels(flag).inc(c)
+            m.flags.labels(flag.value).inc(c)
         for tenant, usd in spend.items():
             m.spend_usd.labels(tenant).inc(usd)
         if predicted:

@@ -1,19 +1,28 @@
 -- First sight of a query id: remember its body hash. Same id again: duplicate or conflict.
--- Batched: all KEYS share one hash tag (a dedupe bucket), so a window is a few calls.
--- KEYS[i] dedupe hash of query i (sha, routed)  ARGV[1] ttl ms  ARGV[i + 1] body sha256 of query i
+-- Batched: a window is one call on a single Redis; on a Redis Cluster all KEYS share one
+-- hash tag (a dedupe bucket), so a window is a few calls.
+-- KEYS[i] dedupe hash of query i (sha, routed)  ARGV[1] ttl ms
+-- ARGV[2] the body sha256 of each query, in the order of KEYS, joined by '\n' (one argument,
+-- not one per query: the client packs each argument in Python)
 -- Returns {verdict_1, routed_1, verdict_2, routed_2, ...} (routed '' when not routed yet).
+local shas, pos = ARGV[2], 1
 local out = {}
 for i, key in ipairs(KEYS) do
-  local want = ARGV[i + 1]
-  local sha = redis.call('HGET', key, 'sha')
-  if not sha then
+  local stop = string.find(shas, '\n', pos, true)
+  if (stop == nil) ~= (i == #KEYS) then
+    return redis.error_reply('dedupe: ARGV[2] must hold one body hash per key')
+  end
+  local want = string.sub(shas, pos, (stop or 0) - 1)
+  pos = (stop or 0) + 1
+  local got = redis.call('HMGET', key, 'sha', 'routed')
+  if not got[1] then
     redis.call('HSET', key, 'sha', want)
     redis.call('PEXPIRE', key, ARGV[1])
     out[#out + 1] = 'new'
     out[#out + 1] = ''
   else
-    out[#out + 1] = (sha == want) and 'duplicate' or 'conflict'
-    out[#out + 1] = redis.call('HGET', key, 'routed') or ''
+    out[#out + 1] = (got[1] == want) and 'duplicate' or 'conflict'
+    out[#out + 1] = got[2] or ''
   end
 end
 return out

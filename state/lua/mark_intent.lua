@@ -4,40 +4,58 @@
 -- marked routed, or whose recorded intent is another one, belongs to the router that got
 -- there first (this one was paused mid-window past its group session, a zombie) and must
 -- not be produced again.
--- A query a rescuer re-routes from a silent instance (ARGV[n + i] names that instance) is
--- routed already, to that instance, and its rescue claim (claim.lua) made it this router's:
--- its intent replaces the one recorded, unless the query was marked routed elsewhere
--- meanwhile (another rescuer re-routed it while this router was paused with it).
--- KEYS[i] dedupe hash of query i (one hash tag)  ARGV[i] "<instance id>\n<decision json>"
--- ARGV[n + i] (optional, n = #KEYS) the instance query i is re-routed from, or ''
+-- A query a rescuer re-routes from a silent instance (its entry in ARGV[2]) is routed
+-- already, to that instance, and its rescue claim (claim.lua) made it this router's: its
+-- intent replaces the one recorded, unless the query was marked routed elsewhere meanwhile
+-- (another rescuer re-routed it while this router was paused with it).
+-- KEYS[i] dedupe hash of query i (on a Redis Cluster all KEYS share one hash tag)
+-- ARGV[1] each query's intent "<instance id>\n<decision json>", in the order of KEYS,
+-- joined by the byte 0x1e (JSON and instance ids never hold it)
+-- ARGV[2] (optional: absent or '' when none is re-routed) the instance each query is
+-- re-routed from, or '', joined by '\n'
 -- Returns one entry per key: 1 recorded (or already this very intent), 0 no dedupe entry,
 -- or the instance id the query is taken by (routed to, or intended for by another router).
+-- A dedupe entry is a hash of sha, routed and intent only: it exists iff one of them does.
 local n = #KEYS
+local intents, froms = ARGV[1], ARGV[2] or ''
+local ipos, fpos = 1, 1
 local out = {}
 for i, key in ipairs(KEYS) do
-  local from = ARGV[n + i] or ''
-  if redis.call('EXISTS', key) == 0 then
+  local istop = string.find(intents, '\30', ipos, true)
+  if (istop == nil) ~= (i == n) then
+    return redis.error_reply('mark_intent: ARGV[1] must hold one intent per key')
+  end
+  local intent = string.sub(intents, ipos, (istop or 0) - 1)
+  ipos = (istop or 0) + 1
+  local from = ''
+  if froms ~= '' then
+    local fstop = string.find(froms, '\n', fpos, true)
+    if (fstop == nil) ~= (i == n) then
+      return redis.error_reply('mark_intent: ARGV[2] must hold one instance (or none) per key')
+    end
+    from = string.sub(froms, fpos, (fstop or 0) - 1)
+    fpos = (fstop or 0) + 1
+  end
+  local got = redis.call('HMGET', key, 'sha', 'routed', 'intent')
+  local routed, held = got[2], got[3]
+  if not (got[1] or routed or held) then
     out[i] = 0
   else
-    local routed = redis.call('HGET', key, 'routed')
-    local mine = string.match(ARGV[i], '^[^\n]*')
+    local mine = string.match(intent, '^[^\n]*')
     if from ~= '' then
       if routed and routed ~= from and routed ~= mine then
         out[i] = routed
       else
-        redis.call('HSET', key, 'intent', ARGV[i])
+        redis.call('HSET', key, 'intent', intent)
         out[i] = 1
       end
     elseif routed then
       out[i] = routed
+    elseif held and held ~= intent then
+      out[i] = string.match(held, '^[^\n]*')
     else
-      local held = redis.call('HGET', key, 'intent')
-      if held and held ~= ARGV[i] then
-        out[i] = string.match(held, '^[^\n]*')
-      else
-        redis.call('HSET', key, 'intent', ARGV[i])
-        out[i] = 1
-      end
+      redis.call('HSET', key, 'intent', intent)
+      out[i] = 1
     end
   end
 end

@@ -24,6 +24,7 @@ from state import (
     StateUnavailable,
     period_id,
 )
+from state.keys import DEDUPE_BUCKETS, dedupe_bucket
 
 pytestmark = pytest.mark.integration
 
@@ -416,10 +417,13 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
     stores: list[StateStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Redis Cluster runs a script only when all its keys hash to one slot: every call here
-    must name keys with one and the same hash tag."""
+    must name keys with one and the same hash tag. The store is told it talks to a cluster
+    (a single Redis takes a window's dedupe entries in one call instead:
+    ``test_one_node_takes_a_window_of_dedupe_entries_in_one_call``)."""
     import re
 
     s = stores[0]
+    monkeypatch.setattr(s, "_cluster", True)
     seen: list[tuple[str, set[str]]] = []
 
     def tags(keys: list[str]) -> set[str]:
@@ -470,6 +474,46 @@ async def test_every_script_call_stays_in_one_cluster_hash_slot(
                      "HGETALL"}  # fmt: skip
     bad = [(name, t) for name, t in seen if len(t) != 1]
     assert not bad, f"script calls spanning several hash slots: {bad}"
+
+
+async def test_one_node_takes_a_window_of_dedupe_entries_in_one_call(
+    stores: list[StateStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a single Redis, dedupe, route intents and routed marks are one script call per
+    window (the entries span all 64 dedupe buckets), with the same answers as per bucket."""
+    s = stores[0]
+    if s._cluster:  # make test-cluster: one call per bucket there (the test above)
+        pytest.skip("a Redis Cluster takes one script call per dedupe bucket")
+    calls: list[tuple[str, int]] = []
+    orig_many = s._script_many
+
+    async def many(name: str, batch: Any, extra: Any = ()) -> Any:
+        calls.extend((name, len(keys)) for keys, _ in batch)
+        return await orig_many(name, batch, extra)
+
+    monkeypatch.setattr(s, "_script_many", many)
+    ids = [f"w{i}" for i in range(300)]
+    assert len({dedupe_bucket(q) for q in ids}) == DEDUPE_BUCKETS
+    sha = {q: hashlib.sha256(q.encode()).hexdigest() for q in ids}
+    items = [(q, sha[q]) for q in ids] + [("w0", sha["w0"]), ("w1", "ff" * 32)]
+    first = await s.dedupe_many(items, 60)
+    assert first == [("new", None)] * 300 + [("duplicate", None), ("conflict", None)]
+    decision = '{"a":"\\n\\u001e"}'
+    intents = {q: RouteIntent(f"gpu-{i % 3}", decision) for i, q in enumerate(ids)}
+    intents["w277"] = RouteIntent("gpu-9", decision, "gpu-1")  # re-routed: its own argument
+    assert await s.mark_intent_many(intents) == {}
+    assert await s.mark_routed_many({q: f"gpu-{i % 3}" for i, q in enumerate(ids[:200])}) == 200
+    assert calls == [("dedupe", 302), ("mark_intent", 300), ("mark_routed", 200)]
+    again = await stores[1].dedupe_many([(q, sha[q]) for q in ids], 60)
+    assert again[:200] == [("duplicate", f"gpu-{i % 3}") for i in range(200)]
+    assert again[200:] == [("duplicate", None)] * 100
+    entry = await s.dedupe_entry("w250")
+    assert entry is not None and entry.intent == RouteIntent("gpu-1", decision)
+    assert (await s.intents(["w277", "w250"]))["w277"] == RouteIntent("gpu-9", decision)
+    with pytest.raises(ValueError, match="0x1e"):
+        await s.mark_intent_many({"w1": RouteIntent("gpu-1", '{"a":"\x1e"}')})
+    with pytest.raises(ValueError, match="hex digest"):
+        await s.dedupe_many([("w1", "ab\ncd")], 60)
 
 
 async def test_resync_never_undoes_a_concurrent_add_or_done(stores: list[StateStore]) -> None:
