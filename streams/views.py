@@ -137,8 +137,8 @@ def _recent_finished(snap: InstanceSnapshot, now: float) -> RecentFinished | Non
     )
     left_ms = np.maximum(0.0, (now - a[:, 3]) * 1000.0)
     arrived_ms = np.maximum(left_ms, (now - a[:, 2]) * 1000.0)
-    return RecentFinished(
-        a[:, 0].astype(np.int64), np.maximum(a[:, 1], 1).astype(np.int64), arrived_ms, left_ms
+    return RecentFinished.of(
+        np.column_stack([a[:, 0], np.maximum(a[:, 1], 1), arrived_ms, left_ms])
     )
 
 
