@@ -161,7 +161,10 @@ def conditional_output_tokens(
 
     With at least ``min_finished`` finished lengths, a request that has decoded ``d >= 1``
     tokens is predicted ``d + E[L - d | L > d]`` (the empirical mean residual life), which is
-    ``mean(L | L > d)``: the mean of the finished lengths longer than ``d``. Where fewer than
+    ``mean(L | L > d)``: the mean of the finished lengths longer than ``d``, or its own
+    prediction where that is longer: the recent lengths say how long a request that has
+    outlived ``d`` tokens tends to run, and a per-query prediction of a longer output (from
+    the query's text) is kept rather than averaged away. Where fewer than
     ``min_tail`` of them exceed ``d`` (a request longer than nearly everything seen), the tail
     is taken memoryless beyond the last threshold that has ``min_tail`` samples: ``d + e0``,
     ``e0`` the mean residual life there (so the prediction is continuous in ``d`` and always
@@ -192,6 +195,6 @@ def conditional_output_tokens(
     t_star = float(lengths[n - m]) - 1.0
     e0 = float(csum[n] - csum[n - m]) / m - t_star
     mrl = np.where(count >= m, tail_mean, d + e0)
-    pred = np.where(d >= 1, np.rint(mrl).astype(np.int64), fb)
+    pred = np.where(d >= 1, np.maximum(np.rint(mrl).astype(np.int64), fb), fb)
     res: IntArray = np.maximum(pred, floor)
     return res

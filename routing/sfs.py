@@ -712,8 +712,9 @@ def catch_up(
 def with_conditional_lengths(state: InstanceState, finished: RecentFinished | None) -> InstanceState:
     """``state`` with each decoding resident's predicted output length conditioned on what it
     has decoded, over the output lengths of the requests that left the instance recently
-    (``routing.length.conditional_output_tokens``: the empirical mean residual life; the
-    resident's own prediction where too few finished or it has decoded nothing)."""
+    (``routing.length.conditional_output_tokens``: the empirical mean residual life, or the
+    resident's own prediction where that is longer, too few finished or it has decoded
+    nothing)."""
     if state.n == 0 or finished is None or finished.n == 0:
         return state
     out = conditional_output_tokens(

@@ -54,6 +54,9 @@ def test_a_decoding_resident_is_predicted_the_mean_of_the_finished_lengths_above
     # d=1: all eight, 210/8 = 26.25; d=5: 6+8+10+30+50+100 = 204 over 6 = 34;
     # d=10 and d=29: 30, 50, 100 -> 60 (three left: min_tail still met)
     np.testing.assert_array_equal(got, [26, 34, 60, 60])
+    # a resident's own prediction of a longer output stays: max(own, mean(L | L > d))
+    own = conditional_output_tokens(d, np.array([40, 20, 90, 20]), FIN, min_finished=8)
+    np.testing.assert_array_equal(own, [40, 34, 90, 60])
 
 
 def test_beyond_the_last_min_tail_lengths_the_tail_is_memoryless() -> None:
