@@ -22,8 +22,9 @@ the model's ``max_output_tokens``, so they fit its ``max_model_len``):
    or not, tokens streamed so far, time since sent);
 4. ``offline.vllm_replay.evaluate``: SFS as before issue 18 (``sfs_plain``), SFS as the
    router now runs it on a real vLLM (snapshot caught up to the send, step in flight,
-   ``server_ms``; predicted and real output lengths), the simulated engine on the same send
-   times, the throughput rule.
+   ``server_ms``; predicted output lengths conditioned on what each resident has decoded,
+   as the router does, the one-mean prediction it used before (``*_flat``), and the real
+   output lengths), the simulated engine on the same send times, the throughput rule.
 
 Prints one JSON object (and writes it to ``--out``) with MAPE per trace and load level;
 ``--summarise`` prints the median of several such files as a markdown table.
@@ -266,9 +267,11 @@ COLUMNS = (
     ("sfs_plain", "SFS before (stream snapshot)"),
     ("sfs_residents_predicted", "catch-up, residents only (predicted)"),
     ("sfs_residents_real_lengths", "catch-up, residents only (real lengths)"),
-    ("sfs_predicted", "SFS (predicted lengths)"),
+    ("sfs_predicted_flat", "SFS (predicted lengths, one mean: before)"),
+    ("sfs_predicted", "SFS (predicted lengths, conditional on decoded)"),
     ("sfs_real_lengths", "SFS (real lengths)"),
-    ("sfs_later_predicted", "SFS + later arrivals (predicted)"),
+    ("sfs_later_predicted_flat", "SFS + later arrivals (predicted, one mean: before)"),
+    ("sfs_later_predicted", "SFS + later arrivals (predicted, conditional on decoded)"),
     ("sfs_later_real_lengths", "SFS + later arrivals (real lengths)"),
     ("sim_engine", "sim engine"),
     ("throughput_baseline", "throughput"),

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routing.sfs import catch_up, later_arrivals, standalone_ttft_ms
+from routing.sfs import catch_up, later_arrivals, standalone_ttft_ms, with_conditional_lengths
 from routing.steptime import StepTimeModel
 from routing.throughput_baseline import prefill_tokens_per_s, throughput_ttft_ms
 from routing.types import InstanceState, RecentFinished
@@ -244,13 +244,20 @@ def evaluate(
     * ``sfs_predicted``: SFS as the router runs it on a real vLLM: the snapshot caught up to
       the moment of sending (``routing.sfs.catch_up``: prefill done since each resident
       arrived, with the requests that finished meanwhile, the step in flight) plus
-      ``server_ms`` (:func:`server_ms_of`), predicted output lengths; ``sfs_real_lengths``:
+      ``server_ms`` (:func:`server_ms_of`), predicted output lengths: each resident routed
+      with the mean output of the requests finished before the send, then, as the router
+      does, each decoding one's conditioned on what it has decoded over the recently
+      finished requests' lengths (``routing.sfs.with_conditional_lengths``);
+      ``sfs_predicted_flat``: the same without that conditioning (every resident the one
+      mean, at least its decoded tokens + 1: the router before it); ``sfs_real_lengths``:
       the same with the real output lengths;
     * ``sfs_residents_predicted`` / ``sfs_residents_real_lengths``: the same, the catch-up
-      replaying the residents only (before the finished requests were published);
-    * ``sfs_later_predicted`` / ``sfs_later_real_lengths``: ``sfs_predicted`` /
-      ``sfs_real_lengths`` with the requests expected after the candidate priced in its last
-      prefill step (``routing.sfs.LaterArrivals``, the rate of the snapshot's last second);
+      replaying the residents only (before the finished requests were published), flat
+      predicted lengths;
+    * ``sfs_later_predicted`` / ``sfs_later_predicted_flat`` / ``sfs_later_real_lengths``:
+      ``sfs_predicted`` / ``sfs_predicted_flat`` / ``sfs_real_lengths`` with the requests
+      expected after the candidate priced in its last prefill step
+      (``routing.sfs.LaterArrivals``, the rate of the snapshot's last second);
     * ``sim_engine``: the simulated engine (``engine_timing``: a ``sim.timing`` source) run on
       the same send times, plus ``server_ms``;
     * ``throughput_baseline``: queued prompt tokens over the engine's prefill throughput.
@@ -265,6 +272,7 @@ def evaluate(
     plain, sfs_pred, sfs_real, thr, res_pred, res_real, lat_pred, lat_real = (
         np.zeros(len(ok)) for _ in range(8)
     )
+    sfs_flat, lat_flat = np.zeros(len(ok)), np.zeros(len(ok))
     done_sorted = sorted((r.sent_s + r.e2e_s, r.generated_tokens) for r in ok)
     for i, r in enumerate(ok):
         fin = [g for t, g in done_sorted if t <= r.sent_s]
@@ -275,15 +283,19 @@ def evaluate(
         plain[i] = standalone_ttft_ms(predicted, p, model, sched)[0]
         recent = _finished(r, ok)
         later = later_arrivals(real_len, waited, recent)
-        for dest, st0, done, nxt in (
-            (sfs_pred, predicted, recent, None),
-            (sfs_real, real_len, recent, None),
-            (res_pred, predicted, None, None),
-            (res_real, real_len, None, None),
-            (lat_pred, predicted, recent, later),
-            (lat_real, real_len, recent, later),
+        for dest, st0, done, nxt, cond in (
+            (sfs_pred, predicted, recent, None, True),
+            (sfs_flat, predicted, recent, None, False),
+            (sfs_real, real_len, recent, None, False),
+            (res_pred, predicted, None, None, False),
+            (res_real, real_len, None, None, False),
+            (lat_pred, predicted, recent, later, True),
+            (lat_flat, predicted, recent, later, False),
+            (lat_real, real_len, recent, later, False),
         ):
             st, delay = catch_up(st0, waited, model, sched, done)
+            if cond:  # as the router does: conditional on what each resident decoded
+                st = with_conditional_lengths(st, recent)
             dest[i] = server_ms + float(
                 standalone_ttft_ms(st, p, model, sched, start_delay_ms=delay, later=nxt)[0]
             )
@@ -292,10 +304,12 @@ def evaluate(
     est = {
         "sfs_plain": plain,
         "sfs_predicted": sfs_pred,
+        "sfs_predicted_flat": sfs_flat,
         "sfs_real_lengths": sfs_real,
         "sfs_residents_predicted": res_pred,
         "sfs_residents_real_lengths": res_real,
         "sfs_later_predicted": lat_pred,
+        "sfs_later_predicted_flat": lat_flat,
         "sfs_later_real_lengths": lat_real,
         "throughput_baseline": thr,
     }

@@ -130,3 +130,71 @@ class LengthPredictor:
             lp.coef = arrays["coef"].astype(np.float64)
             lp.smear = arrays["smear"].astype(np.float64)
         return lp
+
+
+# ---- residents: remaining output, conditional on what they have decoded ----------------------
+
+# Fewer finished requests than this and a resident keeps its own routed prediction: the mean
+# of n lengths with a coefficient of variation near 1 (the Azure conv outputs: 0.9-1.1) is
+# off by ~1/sqrt(n); at 8 that is ~35%, no better than a routed prediction, and above it the
+# empirical tail starts to carry information a single number does not.
+MIN_FINISHED = 8
+# Fewer finished lengths above a resident's decoded count than this and its tail is
+# extrapolated (below) instead of averaged over one or two samples.
+MIN_TAIL = 3
+
+
+def conditional_output_tokens(
+    decoded_tokens: IntArray,
+    fallback_tokens: IntArray,
+    finished_output_tokens: IntArray,
+    *,
+    min_finished: int = MIN_FINISHED,
+    min_tail: int = MIN_TAIL,
+) -> IntArray:
+    """Predicted total output tokens of requests still decoding, given what each has decoded.
+
+    ``decoded_tokens[i]``: tokens request ``i`` has produced so far (``d``);
+    ``fallback_tokens[i]``: its own prediction (what it was routed with);
+    ``finished_output_tokens``: output lengths of requests that finished recently on the same
+    instance (the empirical length distribution ``L``).
+
+    With at least ``min_finished`` finished lengths, a request that has decoded ``d >= 1``
+    tokens is predicted ``d + E[L - d | L > d]`` (the empirical mean residual life), which is
+    ``mean(L | L > d)``: the mean of the finished lengths longer than ``d``, or its own
+    prediction where that is longer: the recent lengths say how long a request that has
+    outlived ``d`` tokens tends to run, and a per-query prediction of a longer output (from
+    the query's text) is kept rather than averaged away. Where fewer than
+    ``min_tail`` of them exceed ``d`` (a request longer than nearly everything seen), the tail
+    is taken memoryless beyond the last threshold that has ``min_tail`` samples: ``d + e0``,
+    ``e0`` the mean residual life there (so the prediction is continuous in ``d`` and always
+    above it). A request that has decoded nothing keeps its own prediction: the empirical
+    mean knows nothing of it that its routed prediction (per query) does not. Every answer
+    is at least ``d + 1`` (a request still resident produces at least one more token), as is
+    the fallback where too few requests finished.
+    """
+    d = np.asarray(decoded_tokens, dtype=np.int64)
+    fb = np.asarray(fallback_tokens, dtype=np.int64)
+    if fb.shape != d.shape:
+        raise ValueError(f"fallback_tokens has shape {fb.shape}, decoded_tokens {d.shape}")
+    if min_finished < 1 or min_tail < 1:
+        raise ValueError(f"min_finished and min_tail must be >= 1, got {min_finished}, {min_tail}")
+    floor = d + 1
+    lengths = np.sort(np.asarray(finished_output_tokens, dtype=np.int64).ravel())
+    lengths = lengths[lengths >= 1]
+    n = lengths.size
+    if n < max(min_finished, 1) or d.size == 0:
+        out: IntArray = np.maximum(fb, floor)
+        return out
+    m = min(min_tail, n)
+    csum = np.concatenate([np.zeros(1), np.cumsum(lengths, dtype=np.float64)])
+    above = np.searchsorted(lengths, d, side="right")  # first length > d
+    count = n - above
+    tail_mean = (csum[n] - csum[above]) / np.maximum(count, 1)
+    # memoryless beyond the largest threshold t* that still has m lengths above it
+    t_star = float(lengths[n - m]) - 1.0
+    e0 = float(csum[n] - csum[n - m]) / m - t_star
+    mrl = np.where(count >= m, tail_mean, d + e0)
+    pred = np.where(d >= 1, np.maximum(np.rint(mrl).astype(np.int64), fb), fb)
+    res: IntArray = np.maximum(pred, floor)
+    return res

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from routing.length import conditional_output_tokens
 from routing.scheduling import Workload, kv_capacity_tokens
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, RecentFinished
@@ -706,3 +707,19 @@ def catch_up(
         prefilled[i] = p
     out = np.maximum(state.predicted_output_tokens, decoded + 1)
     return InstanceState(state.prompt_tokens, prefilled, decoded, out), float(end)
+
+
+def with_conditional_lengths(state: InstanceState, finished: RecentFinished | None) -> InstanceState:
+    """``state`` with each decoding resident's predicted output length conditioned on what it
+    has decoded, over the output lengths of the requests that left the instance recently
+    (``routing.length.conditional_output_tokens``: the empirical mean residual life, or the
+    resident's own prediction where that is longer, too few finished or it has decoded
+    nothing)."""
+    if state.n == 0 or finished is None or finished.n == 0:
+        return state
+    out = conditional_output_tokens(
+        state.decoded_tokens, state.predicted_output_tokens, finished.output_tokens
+    )
+    if np.array_equal(out, state.predicted_output_tokens):
+        return state
+    return InstanceState(state.prompt_tokens, state.prefilled_tokens, state.decoded_tokens, out)

@@ -91,7 +91,9 @@ class SfsTtft:
     progress (``ModelSpec.prefill_progress == "inferred"``, a real vLLM) the snapshot is
     first caught up to decision time (``routing.sfs.catch_up``: prefill done since each
     resident arrived, with the requests that left meanwhile (``view.finished``), and the step
-    in flight), and a candidate priced alone (``standalone_ms``) also pays for the requests
+    in flight), each decoding resident's output length is conditioned on what it has decoded
+    over those finished requests' lengths (``routing.sfs.with_conditional_lengths``), and a
+    candidate priced alone (``standalone_ms``) also pays for the requests
     expected after it in its last prefill step (``routing.sfs.LaterArrivals``).
     """
 
@@ -122,9 +124,10 @@ class SfsTtft:
         hit = self._caught.get(view.instance_id)
         if hit is not None and hit[0] is view and hit[1] is state and hit[2] == model:
             return hit[3], hit[4]  # the same view again (standalone, then in order)
-        from routing.sfs import catch_up
+        from routing.sfs import catch_up, with_conditional_lengths
 
         caught, delay = catch_up(state, view.waited_ms, model, spec.scheduler, view.finished)
+        caught = with_conditional_lengths(caught, view.finished)
         self._caught[view.instance_id] = (view, state, model, caught, delay)
         return caught, delay
 

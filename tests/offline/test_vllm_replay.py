@@ -95,3 +95,18 @@ def test_a_request_that_finished_before_the_send_took_its_step_from_the_waiting_
     r2.finished = None
     again = evaluate([r0, r1, r2], M, SCHED)
     assert again["mean_ms_sfs_real_lengths"] == pytest.approx(ev["mean_ms_sfs_real_lengths"])
+
+
+def test_predicted_lengths_are_conditioned_on_what_each_resident_decoded() -> None:
+    # a resident 62 tokens into a 200-token output; no request finished before the send among
+    # the records, so the flat prediction is the default 64: it would leave after 2 more
+    # steps. The worker's recent list holds ten finished lengths; the four above 62 (80, 120,
+    # 200, 250) average 162.5: it stays beside the candidate's three 511-token chunks, as
+    # with its real length.
+    r = _rec(0, 0.0, 1500, 1600.0, [[100, 100, 62, 200, 4000.0]])
+    r.finished = [[64, n, 3000.0, 100.0] for n in (10, 20, 30, 40, 50, 60, 80, 120, 200, 250)]
+    ev = evaluate([r], M, SCHED)
+    assert ev["mean_ms_sfs_predicted"] == pytest.approx(ev["mean_ms_sfs_real_lengths"])
+    assert ev["mean_ms_sfs_later_predicted"] == pytest.approx(ev["mean_ms_sfs_later_real_lengths"])
+    assert ev["mean_ms_sfs_predicted"] > ev["mean_ms_sfs_predicted_flat"] + 0.5
+    assert ev["mean_ms_sfs_later_predicted"] > ev["mean_ms_sfs_later_predicted_flat"] + 0.5

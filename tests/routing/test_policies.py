@@ -544,3 +544,60 @@ def test_an_engine_without_prefill_progress_is_caught_up_to_decision_time() -> N
     assert caught.ttft_model.standalone_ms(replace(v, finished=done), prompts, outs)[0] == (
         pytest.approx(after[0])
     )
+
+
+def test_an_inferred_engine_conditions_decoding_residents_lengths_on_the_finished_ones() -> None:
+    """``prefill_progress: inferred``: after the catch-up, a decoding resident's output length
+    is the mean of the recently finished lengths above what it decoded
+    (``routing.sfs.with_conditional_lengths``); a "reported" model's view carries no
+    finished requests and keeps its predictions."""
+    from dataclasses import replace
+
+    from routing.sfs import catch_up, estimate_ttft_ms, with_conditional_lengths
+    from routing.steptime import StepTimeModel
+    from routing.types import RecentFinished
+
+    step = StepTimeModel(5.0, 0.1, 0.001, 0.0)
+    base = cluster()
+    inferred = base.model_copy(
+        update={
+            "models": [
+                m.model_copy(
+                    update={
+                        "prefill_progress": "inferred",
+                        "scheduler": m.scheduler.model_copy(update={"max_num_batched_tokens": 256}),
+                    }
+                )
+                for m in base.models
+            ]
+        }
+    )
+    sched = inferred.models[0].scheduler
+    # one resident decoding (40 of a predicted 42 tokens), one waiting for its first token
+    state = InstanceState(
+        np.array([1500, 2000]), np.array([1500, 0]), np.array([40, 0]), np.array([42, 50])
+    )
+    waited = np.array([900.0, 30.0])
+    fin = RecentFinished.of(
+        [(64, n, 900.0, 50.0) for n in (10, 20, 30, 40, 60, 80, 120, 200, 250)]
+    )
+    v = InstanceView("s0", "small", state, free_slots=4, waited_ms=waited, finished=fin)
+    prompts, outs = np.array([3000]), np.array([20])
+    ctx = RouterContext.build(inferred, FakeQuality(), FakeLength(), step_time={"small": step})
+    st, delay = catch_up(state, waited, step, sched, fin)
+    cond = with_conditional_lengths(st, fin)
+    # d=40: 60, 80, 120, 200, 250 -> 142 tokens, not the 42 it was routed with
+    assert cond.predicted_output_tokens[0] == 142
+    want = estimate_ttft_ms(cond, prompts, step, sched, start_delay_ms=delay, output_tokens=outs)
+    flat = estimate_ttft_ms(st, prompts, step, sched, start_delay_ms=delay, output_tokens=outs)
+    assert want[0] > flat[0] + 1.0  # the resident now decodes beside the whole prefill
+    assert ctx.ttft_model.in_order_ms(v, prompts, outs)[0] == pytest.approx(want[0])
+    # no finished requests known: the routed predictions stand
+    assert ctx.ttft_model.in_order_ms(replace(v, finished=None), prompts, outs)[0] == (
+        pytest.approx(
+            estimate_ttft_ms(
+                *catch_up(state, waited, step, sched)[:1], prompts, step, sched,
+                start_delay_ms=catch_up(state, waited, step, sched)[1], output_tokens=outs,
+            )[0]
+        )
+    )  # fmt: skip

@@ -13,6 +13,7 @@ from routing.sfs import (
     estimate_ttft_ms,
     later_arrivals,
     standalone_ttft_ms,
+    with_conditional_lengths,
 )
 from routing.steptime import StepTimeModel
 from routing.types import InstanceState, RecentFinished
@@ -237,3 +238,20 @@ def test_the_arrival_rate_is_read_from_the_residents_and_the_finished_requests()
     assert later_arrivals(InstanceState.empty(), np.zeros(0)).rate_per_ms == 0.0
     with pytest.raises(ValueError, match="rate_per_ms"):
         LaterArrivals(rate_per_ms=-1.0, prompt_tokens=10.0)
+
+
+def test_decoding_residents_get_lengths_conditional_on_what_they_decoded() -> None:
+    """``with_conditional_lengths``: each decoding resident is predicted the mean of the
+    recently finished lengths above its decoded count; a waiting one keeps its own."""
+    # eight finished: 2, 4, 6, 8, 10, 30, 50, 100 tokens (sum 210)
+    fin = RecentFinished.of([(64, n, 900.0, 100.0) for n in (2, 4, 6, 8, 10, 30, 50, 100)])
+    st = _state([(100, 100, 5, 20), (100, 100, 40, 41), (300, 0, 0, 20)])
+    got = with_conditional_lengths(st, fin)
+    # d=5: (6+8+10+30+50+100)/6 = 34; d=40: 50 and 100 only, memoryless past t*=29 with
+    # e0 = (30+50+100)/3 - 29 = 31 -> 71; waiting: its own 20
+    np.testing.assert_array_equal(got.predicted_output_tokens, [34, 71, 20])
+    np.testing.assert_array_equal(got.decoded_tokens, st.decoded_tokens)
+    np.testing.assert_array_equal(got.prefilled_tokens, st.prefilled_tokens)
+    assert with_conditional_lengths(st, None) is st
+    few = RecentFinished.of([(64, n, 900.0, 100.0) for n in (2, 4, 6)])
+    assert with_conditional_lengths(st, few) is st  # three finished: too few to condition on
