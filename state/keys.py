@@ -63,7 +63,9 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
 
 
 def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
-    if not isinstance(value, str) or not pattern.match(value):
+    # fullmatch: Python's ``$`` also matches before a final newline, and a newline in an id
+    # would split the joined arguments of the window scripts (state/lua) one entry too many
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise ValueError(f"{what} {value!r} must match {pattern.pattern}")
     return value
 

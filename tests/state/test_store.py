@@ -180,6 +180,13 @@ async def test_bad_amounts_are_refused_with_a_clear_error(stores: list[StateStor
         await s.reserve_budget("bad tenant", "p", 1.0, {"q1": 1.0})
     with pytest.raises(ValueError, match="instance id 'a}b'"):
         await s.reserve_slots("a}b", 1, ["q"])
+    # a final newline passes Python's `$`, and would split a joined script argument
+    with pytest.raises(ValueError, match=r"query id 'q1\\n'"):
+        await s.reserve_slots("i1", 1, ["q1\n"])
+    with pytest.raises(ValueError, match=r"query id 'q1\\n'"):
+        await s.reserve_budget("t3", "p", 1.0, {"q1\n": 1.0})
+    with pytest.raises(ValueError, match=r"instance id 'i1\\n'"):
+        await s.mark_routed_many({"q1": "i1\n"})
     with pytest.raises(ValueError, match="over the ledger's cap"):
         await s.reserve_budget("t3", "p", 1e12, {"q1": 1.0})
 
