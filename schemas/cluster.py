@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from schemas.query import TENANT_PATTERN, Query
 
@@ -150,18 +151,14 @@ class ModelSpec(BaseModel):
 
 
 class InstanceSpec(BaseModel):
-    """One serving instance of a model; queries for it go to ``topic``."""
+    """One serving instance of a model. Its queries go to the topic ``route.<id>``
+    (``wiring.topics.route``), for the router, its rescuer and the worker alike."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(pattern=INSTANCE_ID_PATTERN)
     model: str
     endpoint: str | None = None  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000
-    topic: str | None = None
-
-    @property
-    def route_topic(self) -> str:
-        return self.topic or f"route.{self.id}"
 
 
 ANY_MODEL = "auto"  # a query's ``model`` that leaves the choice to the router
@@ -202,6 +199,12 @@ class ClusterConfig(BaseModel):
     tenants: list[TenantBudget] = Field(default_factory=list)
     # names a query's ``model`` may give for a set of models, e.g. {small: [m1, m2]}
     model_groups: dict[str, list[str]] = Field(default_factory=dict)
+    # built by ``_consistent`` from the lists above: model name -> spec, instance id ->
+    # (instance, its model); what ``model``, ``instance`` and ``model_of`` read, once per call
+    _models_by_name: dict[str, ModelSpec] = PrivateAttr(default_factory=dict)
+    _instances_by_id: dict[str, tuple[InstanceSpec, ModelSpec]] = PrivateAttr(
+        default_factory=dict
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
@@ -213,10 +216,13 @@ class ClusterConfig(BaseModel):
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:
             raise ValueError(f"instance ids must be unique, repeated: {sorted(dup)}")
-        known = set(names)
+        by_name = {m.name: m for m in self.models}
         for inst in self.instances:
-            if inst.model not in known:
+            if inst.model not in by_name:
                 raise ValueError(f"instance {inst.id!r} names unknown model {inst.model!r}")
+        self._models_by_name = by_name
+        self._instances_by_id = {i.id: (i, by_name[i.model]) for i in self.instances}
+        known = set(names)
         for group, members in self.model_groups.items():
             if group in known:
                 raise ValueError(f"model group {group!r} has the name of a model")
@@ -238,7 +244,7 @@ class ClusterConfig(BaseModel):
         """
         if name in self.model_groups:
             return list(self.model_groups[name])
-        if any(m.name == name for m in self.models):
+        if name in self._models_by_name:
             return [name]
         if name == ANY_MODEL:
             return [m.name for m in self.models]
@@ -249,19 +255,35 @@ class ClusterConfig(BaseModel):
         )
 
     def model(self, name: str) -> ModelSpec:
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"unknown model {name!r}; known: {[m.name for m in self.models]}")
+        spec = self._models_by_name.get(name)
+        if spec is None:
+            raise KeyError(f"unknown model {name!r}; known: {[m.name for m in self.models]}")
+        return spec
 
     def model_of(self, instance_id: str) -> ModelSpec:
-        return self.model(self.instance(instance_id).model)
+        return self._indexed(instance_id)[1]
 
     def instance(self, instance_id: str) -> InstanceSpec:
-        for inst in self.instances:
-            if inst.id == instance_id:
-                return inst
-        raise KeyError(f"unknown instance {instance_id!r}")
+        return self._indexed(instance_id)[0]
+
+    def _indexed(self, instance_id: str) -> tuple[InstanceSpec, ModelSpec]:
+        found = self._instances_by_id.get(instance_id)
+        if found is None:
+            raise KeyError(
+                f"unknown instance {instance_id!r}; known: {[i.id for i in self.instances]}"
+            )
+        return found
+
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> Self:
+        """A copy; with ``update``, validated anew. (Pydantic's copy leaves an update
+        unvalidated: a copy with new instances would skip the cross-checks above and keep
+        the old lookups.)"""
+        if not update:
+            return super().model_copy(deep=deep)
+        copy = type(self).model_validate({**dict(self), **update})
+        return copy.model_copy(deep=True) if deep else copy
 
     @classmethod
     def from_file(cls, path: str | Path) -> ClusterConfig:

@@ -236,7 +236,7 @@ class Worker:
         self.concurrency = config.concurrency or self.spec.max_concurrency
         self.max_pending = config.max_pending or 4 * self.concurrency
         self.heartbeat_ttl_s = config.heartbeat_ttl_s or 3 * config.heartbeat_s
-        self.topic = self.instance.route_topic
+        self.topic = topics.route(self.instance_id)
         self.metrics = WorkerMetrics(self.instance_id, self.spec.name)
         self.metrics_port: int | None = None
         self._sem = asyncio.Semaphore(self.concurrency)
