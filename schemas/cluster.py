@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.query import TENANT_PATTERN, Query
 
@@ -199,12 +200,6 @@ class ClusterConfig(BaseModel):
     tenants: list[TenantBudget] = Field(default_factory=list)
     # names a query's ``model`` may give for a set of models, e.g. {small: [m1, m2]}
     model_groups: dict[str, list[str]] = Field(default_factory=dict)
-    # built by ``_consistent`` from the lists above: model name -> spec, instance id ->
-    # (instance, its model); what ``model``, ``instance`` and ``model_of`` read, once per call
-    _models_by_name: dict[str, ModelSpec] = PrivateAttr(default_factory=dict)
-    _instances_by_id: dict[str, tuple[InstanceSpec, ModelSpec]] = PrivateAttr(
-        default_factory=dict
-    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
@@ -216,13 +211,10 @@ class ClusterConfig(BaseModel):
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:
             raise ValueError(f"instance ids must be unique, repeated: {sorted(dup)}")
-        by_name = {m.name: m for m in self.models}
-        for inst in self.instances:
-            if inst.model not in by_name:
-                raise ValueError(f"instance {inst.id!r} names unknown model {inst.model!r}")
-        self._models_by_name = by_name
-        self._instances_by_id = {i.id: (i, by_name[i.model]) for i in self.instances}
         known = set(names)
+        for inst in self.instances:
+            if inst.model not in known:
+                raise ValueError(f"instance {inst.id!r} names unknown model {inst.model!r}")
         for group, members in self.model_groups.items():
             if group in known:
                 raise ValueError(f"model group {group!r} has the name of a model")
@@ -254,6 +246,18 @@ class ClusterConfig(BaseModel):
             f"{[m.name for m in self.models]}{groups}"
         )
 
+    # What ``model``, ``instance`` and ``model_of`` read: model name -> spec, instance id ->
+    # (instance, its model). Built on first use and kept in ``__dict__`` (``cached_property``:
+    # read as fast as a field, which a pydantic private attribute is not; outside the
+    # fields, so equality and serialisation do not see it); ``model_copy`` keeps it true.
+    @cached_property
+    def _models_by_name(self) -> dict[str, ModelSpec]:
+        return {m.name: m for m in self.models}
+
+    @cached_property
+    def _instances_by_id(self) -> dict[str, tuple[InstanceSpec, ModelSpec]]:
+        return {i.id: (i, self._models_by_name[i.model]) for i in self.instances}
+
     def model(self, name: str) -> ModelSpec:
         spec = self._models_by_name.get(name)
         if spec is None:
@@ -274,12 +278,10 @@ class ClusterConfig(BaseModel):
             )
         return found
 
-    def model_copy(
-        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
-    ) -> Self:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy; with ``update``, validated anew. (Pydantic's copy leaves an update
         unvalidated: a copy with new instances would skip the cross-checks above and keep
-        the old lookups.)"""
+        the lookups built from the old ones.)"""
         if not update:
             return super().model_copy(deep=deep)
         copy = type(self).model_validate({**dict(self), **update})
