@@ -64,7 +64,10 @@ class ModelSpec(BaseModel):
     profile: str | None = None  # step-time profile name, e.g. "llama-2-7b-hf@h100"
     step_time: StepTimeCoefficients | None = None  # explicit coefficients win over `profile`
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    rate_limit_rps: float | None = Field(default=None, gt=0)  # cloud endpoints
+    # A cloud endpoint's request rate limit: its worker admits requests at least 1/rate s
+    # apart (workers.pacing), as the simulator's cloud endpoint does. Cloud models only: a
+    # local engine admits what its scheduler fits, and the simulator models no limit there.
+    rate_limit_rps: float | None = Field(default=None, gt=0)
     mean_output_tokens: float | None = Field(default=None, gt=0)
     # Output cap sent to the engine when a query sets none (cut to what max_model_len leaves
     # after the prompt: ``default_output_cap_tokens``); the budget ledger reserves up to it.
@@ -97,12 +100,17 @@ class ModelSpec(BaseModel):
         return kv if self.max_model_len is None else min(self.max_model_len, kv)
 
     @model_validator(mode="after")
-    def _cached_price_at_most_input(self) -> ModelSpec:
+    def _prices_and_limits(self) -> ModelSpec:
         c = self.cached_input_usd_per_token
         if c is not None and c > self.input_usd_per_token:
             raise ValueError(
                 f"model {self.name}: cached_input_usd_per_token ({c:g}) must be <= "
                 f"input_usd_per_token ({self.input_usd_per_token:g})"
+            )
+        if self.rate_limit_rps is not None and self.kind != "cloud":
+            raise ValueError(
+                f"model {self.name}: rate_limit_rps is for kind: cloud (a provider's limit); "
+                f"a local engine's pace is its scheduler's"
             )
         return self
 
