@@ -468,3 +468,85 @@ async def test_rate_limited_and_overloaded_answers_are_retried_after_their_retry
     assert attempts == 1 and error is not None and "HTTP 429" in error
     error, attempts, _ = await run(limited(500, 9, "0"))  # may have done the work: no retry
     assert attempts == 1 and error is not None and "HTTP 500" in error
+
+
+async def test_a_cloud_models_worker_talks_to_a_provider_with_its_key(
+    server: RunningServer,
+) -> None:
+    """A provider's OpenAI-compatible endpoint: a bearer key (SWITCHYARD_ENGINE_API_KEY), no
+    /health and no /metrics. The worker's backend for a ``cloud`` model probes /v1/models,
+    reads no engine counts and sends the key; without the key it is told why."""
+    from schemas import ClusterConfig
+    from switchyard.commands.worker import _backend
+    from wiring.settings import Settings
+
+    seen: list[str] = []
+
+    def authorised(request: web.Request) -> web.Response | None:
+        seen.append(f"{request.method} {request.path}")
+        if request.headers.get("Authorization") != "Bearer sk-test":
+            return web.json_response({"error": {"message": "Incorrect API key"}}, status=401)
+        return None
+
+    async def models(request: web.Request) -> web.Response:
+        return authorised(request) or web.json_response(
+            {"object": "list", "data": [{"id": "gpt-x", "object": "model"}]}
+        )
+
+    async def completions(request: web.Request) -> web.Response:
+        refused = authorised(request)
+        if refused is not None:
+            return refused
+        body = await request.json()
+        async with httpx.AsyncClient(base_url=server.url) as c:  # the answer of a real engine
+            r = await c.post("/v1/completions", json={**body, "model": "m"})
+        return web.Response(body=r.content, content_type="text/event-stream")
+
+    async def missing(request: web.Request) -> web.Response:  # a provider has neither
+        seen.append(f"{request.method} {request.path}")
+        return web.json_response({"error": {"message": "not found"}}, status=404)
+
+    async with _endpoint(get_v1__models=models, post_v1__completions=completions,
+                         get_health=missing, get_metrics=missing) as url:  # fmt: skip
+        cfg = ClusterConfig.model_validate(
+            {
+                "models": [
+                    {"name": "gpt-x", "kind": "cloud", "input_usd_per_token": 1e-6,
+                     "output_usd_per_token": 2e-6},
+                    {"name": "m", "input_usd_per_token": 0, "output_usd_per_token": 0},
+                ],
+                "instances": [{"id": "gpt-x-0", "model": "gpt-x", "endpoint": url},
+                              {"id": "m-0", "model": "m", "endpoint": url}],
+            }
+        )  # fmt: skip
+
+        async def worker_backend(
+            instance: str, settings: Settings
+        ) -> tuple[Any, str | None, Any, Any]:
+            be = _backend("vllm", cfg, instance, cfg.model_of(instance), None, None, 1.0, 0,
+                          None, 1.0, settings)  # fmt: skip
+            await be.start()
+            try:
+                load = await be.engine_load()
+                problem = None if not load.answering else await be.model_problem()
+                g = await be.generate(
+                    _req(Query(id="k", prompt="x", max_tokens=3)), lambda p, d: None
+                )
+            finally:
+                await be.close()
+            return load, problem, g, be.config
+
+        keyed = Settings.from_env({"SWITCHYARD_ENGINE_API_KEY": "sk-test"})
+        load, problem, g, config = await worker_backend("gpt-x-0", keyed)
+        assert load.answering and load.running is None and problem is None
+        assert g.error is None and g.output_tokens == 3
+        assert "GET /health" not in seen and "GET /metrics" not in seen
+        assert "sk-test" not in repr(config) and "sk-test" not in repr(keyed)
+
+        load, _, g, _ = await worker_backend("gpt-x-0", Settings.from_env({}))
+        assert not load.answering and load.problem == f"{url}/v1/models: HTTP 401"
+        assert g.error == f"HTTP 401 from {url}/v1/completions: Incorrect API key"
+
+        seen.clear()  # a local model's worker still asks vLLM's /health
+        load, _, _, _ = await worker_backend("m-0", keyed)
+        assert seen[0] == "GET /health" and load.problem == f"{url}/health: HTTP 404"

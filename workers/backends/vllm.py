@@ -19,7 +19,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -106,10 +106,14 @@ class VllmConfig:
     # ends the query as an error Result at once (its deadline would pass waiting)
     max_retry_after_s: float = 30.0
     max_connections: int = 256
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token
     max_output_tokens: int | None = None  # cap sent when a query sets none (the ledger's bound)
-    # the liveness probe (GET /health at each heartbeat): no answer within this is "down"
+    # the liveness probe (GET ``probe_path`` at each heartbeat): no answer within this is "down"
     health_timeout_s: float = 1.0
+    # vLLM answers /health; a provider's endpoint has none, and /v1/models answers there
+    probe_path: str = "/health"
+    # read the engine's counts from GET /metrics at each heartbeat (vLLM); a provider has none
+    read_metrics: bool = True
 
 
 def request_body(
@@ -234,14 +238,15 @@ class VllmBackend:
 
     async def _health_problem(self) -> str | None:
         assert self._client is not None
+        path, limit_s = self.config.probe_path, self.config.health_timeout_s
         try:
-            resp = await self._client.get("/health", timeout=self.config.health_timeout_s)
+            resp = await self._client.get(path, timeout=limit_s)
         except httpx.TimeoutException:
-            return f"{self.base_url}/health: no answer in {self.config.health_timeout_s:g} s"
+            return f"{self.base_url}{path}: no answer in {limit_s:g} s"
         except httpx.HTTPError as exc:
-            return f"{self.base_url}/health: {type(exc).__name__}: {exc}"
+            return f"{self.base_url}{path}: {type(exc).__name__}: {exc}"
         if resp.status_code != 200:
-            return f"{self.base_url}/health: HTTP {resp.status_code}"
+            return f"{self.base_url}{path}: HTTP {resp.status_code}"
         return None
 
     async def engine_load(self) -> EngineLoad:
@@ -250,6 +255,8 @@ class VllmBackend:
         problem = await self._health_problem()
         if problem is not None:
             return EngineLoad(answering=False, problem=problem)
+        if not self.config.read_metrics:
+            return EngineLoad()
         try:
             resp = await self._client.get("/metrics", timeout=2.0)
             if resp.status_code != 200:
