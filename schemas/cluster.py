@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -62,7 +64,10 @@ class ModelSpec(BaseModel):
     profile: str | None = None  # step-time profile name, e.g. "llama-2-7b-hf@h100"
     step_time: StepTimeCoefficients | None = None  # explicit coefficients win over `profile`
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    rate_limit_rps: float | None = Field(default=None, gt=0)  # cloud endpoints
+    # A cloud endpoint's request rate limit: its worker admits requests at least 1/rate s
+    # apart (workers.pacing), as the simulator's cloud endpoint does. Cloud models only: a
+    # local engine admits what its scheduler fits, and the simulator models no limit there.
+    rate_limit_rps: float | None = Field(default=None, gt=0)
     mean_output_tokens: float | None = Field(default=None, gt=0)
     # Output cap sent to the engine when a query sets none (cut to what max_model_len leaves
     # after the prompt: ``default_output_cap_tokens``); the budget ledger reserves up to it.
@@ -95,12 +100,17 @@ class ModelSpec(BaseModel):
         return kv if self.max_model_len is None else min(self.max_model_len, kv)
 
     @model_validator(mode="after")
-    def _cached_price_at_most_input(self) -> ModelSpec:
+    def _prices_and_limits(self) -> ModelSpec:
         c = self.cached_input_usd_per_token
         if c is not None and c > self.input_usd_per_token:
             raise ValueError(
                 f"model {self.name}: cached_input_usd_per_token ({c:g}) must be <= "
                 f"input_usd_per_token ({self.input_usd_per_token:g})"
+            )
+        if self.rate_limit_rps is not None and self.kind != "cloud":
+            raise ValueError(
+                f"model {self.name}: rate_limit_rps is for kind: cloud (a provider's limit); "
+                f"a local engine's pace is its scheduler's"
             )
         return self
 
@@ -150,18 +160,14 @@ class ModelSpec(BaseModel):
 
 
 class InstanceSpec(BaseModel):
-    """One serving instance of a model; queries for it go to ``topic``."""
+    """One serving instance of a model. Its queries go to the topic ``route.<id>``
+    (``wiring.topics.route``), for the router, its rescuer and the worker alike."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(pattern=INSTANCE_ID_PATTERN)
     model: str
     endpoint: str | None = None  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000
-    topic: str | None = None
-
-    @property
-    def route_topic(self) -> str:
-        return self.topic or f"route.{self.id}"
 
 
 ANY_MODEL = "auto"  # a query's ``model`` that leaves the choice to the router
@@ -238,7 +244,7 @@ class ClusterConfig(BaseModel):
         """
         if name in self.model_groups:
             return list(self.model_groups[name])
-        if any(m.name == name for m in self.models):
+        if name in self._models_by_name:
             return [name]
         if name == ANY_MODEL:
             return [m.name for m in self.models]
@@ -248,20 +254,46 @@ class ClusterConfig(BaseModel):
             f"{[m.name for m in self.models]}{groups}"
         )
 
+    # What ``model``, ``instance`` and ``model_of`` read: model name -> spec, instance id ->
+    # (instance, its model). Built on first use and kept in ``__dict__`` (``cached_property``:
+    # read as fast as a field, which a pydantic private attribute is not; outside the
+    # fields, so equality and serialisation do not see it); ``model_copy`` keeps it true.
+    @cached_property
+    def _models_by_name(self) -> dict[str, ModelSpec]:
+        return {m.name: m for m in self.models}
+
+    @cached_property
+    def _instances_by_id(self) -> dict[str, tuple[InstanceSpec, ModelSpec]]:
+        return {i.id: (i, self._models_by_name[i.model]) for i in self.instances}
+
     def model(self, name: str) -> ModelSpec:
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"unknown model {name!r}; known: {[m.name for m in self.models]}")
+        spec = self._models_by_name.get(name)
+        if spec is None:
+            raise KeyError(f"unknown model {name!r}; known: {[m.name for m in self.models]}")
+        return spec
 
     def model_of(self, instance_id: str) -> ModelSpec:
-        return self.model(self.instance(instance_id).model)
+        return self._indexed(instance_id)[1]
 
     def instance(self, instance_id: str) -> InstanceSpec:
-        for inst in self.instances:
-            if inst.id == instance_id:
-                return inst
-        raise KeyError(f"unknown instance {instance_id!r}")
+        return self._indexed(instance_id)[0]
+
+    def _indexed(self, instance_id: str) -> tuple[InstanceSpec, ModelSpec]:
+        found = self._instances_by_id.get(instance_id)
+        if found is None:
+            raise KeyError(
+                f"unknown instance {instance_id!r}; known: {[i.id for i in self.instances]}"
+            )
+        return found
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; with ``update``, validated anew. (Pydantic's copy leaves an update
+        unvalidated: a copy with new instances would skip the cross-checks above and keep
+        the lookups built from the old ones.)"""
+        if not update:
+            return super().model_copy(deep=deep)
+        copy = type(self).model_validate({**dict(self), **update})
+        return copy.model_copy(deep=True) if deep else copy
 
     @classmethod
     def from_file(cls, path: str | Path) -> ClusterConfig:

@@ -73,7 +73,6 @@ from schemas import (
     DecisionFlag,
     DecisionStatus,
     Limits,
-    ModelSpec,
     Query,
     Result,
     ResultCode,
@@ -703,15 +702,11 @@ class RouterService:
         tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
         One pipelined call; a query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
-        specs: dict[str, ModelSpec] = {}  # each instance's model, looked up once
         for p, d in routed:
             if p.query.id in taken:
                 continue
             iid = str(d.instance_id)
-            spec = specs.get(iid)
-            if spec is None:
-                spec = specs[iid] = self.cluster.model_of(iid)
-            touch = touch_of(iid, p.query, spec)
+            touch = touch_of(iid, p.query, self.cluster.model_of(iid))
             if touch is not None:
                 touches.append(touch)
         if touches:
@@ -826,9 +821,9 @@ class RouterService:
             if tw is None:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
-            specs = {iid: self.cluster.model_of(iid) for iid in {str(d.instance_id) for _, _, d in group}}
             amounts = {
-                p.query.id: specs[str(d.instance_id)].max_cost_usd(p.query) for _, p, d in group
+                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
+                for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"

@@ -23,6 +23,9 @@ SWITCHYARD_REDIS                    redis://, rediss:// URL; a Redis Cluster:   
 SWITCHYARD_REDIS_PASSWORD           Redis AUTH password (secret)                (none)
 SWITCHYARD_REDIS_TLS_CA             CA bundle for a rediss:// server            system CAs
 SWITCHYARD_NAMESPACE                Redis key prefix (several deployments)      sy
+SWITCHYARD_ENGINE_API_KEY           bearer token a worker sends its engine: a   (none)
+                                    provider's API key, or vLLM's --api-key
+                                    (secret)
 ==================================  ==========================================  ==========================
 """
 
@@ -56,6 +59,7 @@ _ENV: dict[str, str] = {
     "redis_password": "SWITCHYARD_REDIS_PASSWORD",
     "redis_tls_ca_file": "SWITCHYARD_REDIS_TLS_CA",
     "namespace": "SWITCHYARD_NAMESPACE",
+    "engine_api_key": "SWITCHYARD_ENGINE_API_KEY",
 }
 
 
@@ -64,7 +68,8 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseModel):
-    """Where Kafka and Redis are and how to authenticate to them."""
+    """Where Kafka and Redis are and how to authenticate to them (and a worker to its
+    engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -80,6 +85,7 @@ class Settings(BaseModel):
     redis_password: SecretStr | None = None
     redis_tls_ca_file: str | None = None
     namespace: str = Field(default="sy", pattern=r"^[A-Za-z0-9_\-]{1,32}$")
+    engine_api_key: SecretStr | None = None
 
     @field_validator("kafka")
     @classmethod

@@ -73,6 +73,12 @@ class WorkerMetrics:
             names,
             registry=r,
         ).labels(**lab)
+        self.rate_paced_s = Counter(
+            "switchyard_worker_rate_paced_seconds",
+            "Seconds queries waited for their turn under the model's rate_limit_rps",
+            names,
+            registry=r,
+        ).labels(**lab)
         self.cost_usd = Counter(
             "switchyard_worker_cost_usd", "Cost of published results", names, registry=r
         ).labels(**lab)

@@ -76,6 +76,7 @@ from workers.backends.base import (
 )
 from workers.metrics import WorkerMetrics, serve_metrics
 from workers.offsets import OffsetTracker
+from workers.pacing import AdmissionPacer
 from workers.prefix_reconcile import PrefixReconciler
 from workers.relay import RelayWriter
 from workers.steptime_feed import StepTimeFeed, StepTimeFeedConfig
@@ -236,10 +237,13 @@ class Worker:
         self.concurrency = config.concurrency or self.spec.max_concurrency
         self.max_pending = config.max_pending or 4 * self.concurrency
         self.heartbeat_ttl_s = config.heartbeat_ttl_s or 3 * config.heartbeat_s
-        self.topic = self.instance.route_topic
+        self.topic = topics.route(self.instance_id)
         self.metrics = WorkerMetrics(self.instance_id, self.spec.name)
         self.metrics_port: int | None = None
         self._sem = asyncio.Semaphore(self.concurrency)
+        # a provider's request rate limit, kept as the simulator keeps it (workers.pacing)
+        rate = self.spec.rate_limit_rps
+        self._pacer = AdmissionPacer(rate) if rate is not None else None
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._residents: dict[str, ResidentRequest] = {}
         # this worker process's token in each query's start record (state.Results.mark_start)
@@ -656,6 +660,8 @@ class Worker:
             acquired = False
             queued_at = time.time()
             try:
+                if self._pacer is not None:
+                    self.metrics.rate_paced_s.inc(await self._pacer.wait())
                 async with self._sem:
                     acquired = True
                     slot_wait_s = time.time() - queued_at

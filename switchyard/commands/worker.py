@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
         try:
             be = _backend(
                 backend, cfg, instance, spec, endpoint, served_model, time_scale, seed,
-                concurrency, heartbeat_s,
+                concurrency, heartbeat_s, settings,
             )  # fmt: skip
         except ValueError as exc:
             raise _fail(_describe(exc)) from None
@@ -237,11 +237,18 @@ def _backend(
     seed: int,
     concurrency: int | None,
     heartbeat_s: float = 1.0,
+    settings: Any = None,
 ) -> Any:
+    """The worker's backend. ``vllm`` serves any OpenAI-compatible endpoint: a vLLM server
+    (liveness from ``/health``, the engine's counts from ``/metrics``) or, for a model of
+    kind ``cloud``, a provider's (liveness from ``/v1/models``, no counts); the bearer
+    token is ``SWITCHYARD_ENGINE_API_KEY`` (``settings.engine_api_key``) when set."""
     if kind == "vllm":
         from workers.backends.vllm import VllmBackend, VllmConfig
 
         url = endpoint or cfg.instance(instance).endpoint
+        key = getattr(settings, "engine_api_key", None)
+        cloud = spec.kind == "cloud"
         if not url:
             raise ValueError(
                 f"instance {instance!r} has no endpoint in the cluster file; pass --endpoint URL"
@@ -254,6 +261,9 @@ def _backend(
                 max_output_tokens=spec.max_output_tokens,
                 # a probe that outlasts a heartbeat would hide a frozen engine for longer
                 health_timeout_s=max(0.2, min(1.0, heartbeat_s)),
+                api_key=key.get_secret_value() if key is not None else None,
+                probe_path="/v1/models" if cloud else "/health",
+                read_metrics=not cloud,
             )
         )
     if kind == "sim":

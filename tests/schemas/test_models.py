@@ -44,7 +44,7 @@ def test_cluster_from_yaml_and_json(tmp_path: Path) -> None:
     p.write_text(CLUSTER_YAML)
     cfg = ClusterConfig.from_file(p)
     assert cfg.model_of("small-0").scheduler.max_num_batched_tokens == 4096
-    assert cfg.instance("big-0").route_topic == "route.big-0"
+    assert cfg.instance("big-0").model == "cloud-big"
     assert cfg.model("small").cost_usd(100, 10) == pytest.approx(1e-5 + 2e-6)
     j = tmp_path / "c.json"
     j.write_text(cfg.model_dump_json())
@@ -59,6 +59,33 @@ def test_cluster_rejects_unknown_model_and_duplicates(tmp_path: Path) -> None:
     p.write_text(CLUSTER_YAML.replace("id: big-0", "id: small-0"))
     with pytest.raises(ValidationError, match="instance ids must be unique"):
         ClusterConfig.from_file(p)
+
+
+def test_an_instance_topic_of_its_own_is_refused() -> None:
+    """Every room sends and reads an instance's queries on ``route.<id>``; a config naming
+    another topic would have split the router from the worker, so it is refused."""
+    data = {
+        "models": [{"name": "m", "input_usd_per_token": 0, "output_usd_per_token": 0}],
+        "instances": [{"id": "m-0", "model": "m", "topic": "mine"}],
+    }
+    with pytest.raises(ValidationError, match="topic"):
+        ClusterConfig.model_validate(data)
+
+
+def test_lookups_follow_a_copy_and_a_changed_copy_is_validated(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(CLUSTER_YAML)
+    cfg = ClusterConfig.from_file(p)
+    assert cfg.model_of("big-0") is cfg.model("cloud-big")
+    with pytest.raises(KeyError, match="unknown instance 'x-0'; known: \\['small-0', 'big-0'\\]"):
+        cfg.instance("x-0")
+    moved = [i.model_copy(update={"model": "cloud-big"}) for i in cfg.instances]
+    copy = cfg.model_copy(update={"instances": moved})
+    assert copy.model_of("small-0").name == "cloud-big"
+    assert cfg.model_of("small-0").name == "small"  # the original keeps its own
+    assert cfg.model_copy(deep=True).model_of("small-0") == cfg.model_of("small-0")
+    with pytest.raises(ValidationError, match="names unknown model 'nope'"):
+        cfg.model_copy(update={"instances": [{"id": "n-0", "model": "nope"}]})
 
 
 def test_resident_request_rules() -> None:

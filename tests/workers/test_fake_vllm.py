@@ -4,12 +4,15 @@ usage or counted chunks, errors with readable messages, engine gauges, the CLI p
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -36,6 +39,24 @@ async def server() -> AsyncIterator[RunningServer]:
     )
     yield s
     await s.stop()
+
+
+@contextlib.asynccontextmanager
+async def _endpoint(**routes: Any) -> AsyncIterator[str]:
+    """A hand-written server on a free loopback port: ``post_<path>`` / ``get_<path>``
+    handlers (the path's slashes as ``__``); yields its base URL."""
+    app = web.Application()
+    for key, handler in routes.items():
+        method, path = key.split("_", 1)
+        app.router.add_route(method.upper(), "/" + path.replace("__", "/"), handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 def _req(q: Query) -> GenerationRequest:
@@ -203,32 +224,26 @@ async def test_backend_http_errors_and_broken_streams_become_errors(server: Runn
     async def fails(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "engine died"}}, status=500)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", broken)
-    app.router.add_post("/v1/chat/completions", fails)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    backend = VllmBackend(VllmConfig(endpoint=f"http://127.0.0.1:{port}", model="m"))
-    await backend.start()
-    try:
-        g1 = await backend.generate(
-            _req(Query(id="b", prompt="x", max_tokens=3)), lambda p, d: None
-        )
-        g2 = await backend.generate(
-            _req(Query(id="f", messages=[{"role": "user", "content": "x"}])), lambda p, d: None
-        )
-    finally:
-        await backend.close()
-        await runner.cleanup()
+    async with _endpoint(post_v1__completions=broken, post_v1__chat__completions=fails) as url:
+        backend = VllmBackend(VllmConfig(endpoint=url, model="m"))
+        await backend.start()
+        try:
+            g1 = await backend.generate(
+                _req(Query(id="b", prompt="x", max_tokens=3)), lambda p, d: None
+            )
+            g2 = await backend.generate(
+                _req(Query(id="f", messages=[{"role": "user", "content": "x"}])),
+                lambda p, d: None,
+            )
+        finally:
+            await backend.close()
     assert (
         g1.error is not None
         and "ended without [DONE]" in g1.error
         and g1.text == " a"
         and g1.output_tokens == 1
     )
-    assert g2.error == f"HTTP 500 from http://127.0.0.1:{port}/v1/chat/completions: engine died"
+    assert g2.error == f"HTTP 500 from {url}/v1/chat/completions: engine died"
 
 
 def test_fake_vllm_command_serves_until_sigterm() -> None:
@@ -316,22 +331,14 @@ async def test_a_frozen_engine_fails_the_probe_within_its_timeout() -> None:
         await asyncio.sleep(2)
         return web.Response(text="late")
 
-    app = web.Application()
-    app.router.add_get("/health", hang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    backend = VllmBackend(
-        VllmConfig(endpoint=f"http://127.0.0.1:{port}", model="m", health_timeout_s=0.3)
-    )
-    await backend.start()
-    try:
-        async with asyncio.timeout(2.0):
-            load = await backend.engine_load()
-    finally:
-        await backend.close()
-        await runner.cleanup()
+    async with _endpoint(get_health=hang) as url:
+        backend = VllmBackend(VllmConfig(endpoint=url, model="m", health_timeout_s=0.3))
+        await backend.start()
+        try:
+            async with asyncio.timeout(2.0):
+                load = await backend.engine_load()
+        finally:
+            await backend.close()
     assert not load.answering and load.problem and "no answer in 0.3 s" in load.problem
 
 
@@ -409,3 +416,137 @@ async def test_a_worker_waits_for_an_engine_that_is_slow_to_start() -> None:
         await backend.close()
         await s.stop()
     assert not w._engine_lost
+
+
+async def test_rate_limited_and_overloaded_answers_are_retried_after_their_retry_after(
+    server: RunningServer,
+) -> None:
+    """A provider's 429 / 503 refuses before any work: retried after its Retry-After (or the
+    backoff), up to ``retries``; then, or when Retry-After asks too much, an error naming it."""
+    asked: list[float] = []
+
+    def limited(status: int, refusals: int, retry_after: str | None) -> web.RequestHandler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            asked.append(asyncio.get_running_loop().time())
+            if len(asked) <= refusals:
+                headers = {} if retry_after is None else {"Retry-After": retry_after}
+                return web.json_response(
+                    {"error": {"message": "slow down"}}, status=status, headers=headers
+                )
+            async with httpx.AsyncClient(base_url=server.url) as c:  # then the real answer
+                r = await c.post("/v1/completions", json=await request.json())
+            return web.Response(body=r.content, content_type="text/event-stream")
+
+        return handler
+
+    async def run(
+        handler: web.RequestHandler, retries: int = 3
+    ) -> tuple[str | None, int, list[float]]:
+        asked.clear()
+        async with _endpoint(post_v1__completions=handler) as url:
+            cfg = VllmConfig(endpoint=url, model="m", retries=retries, backoff_s=0.05,
+                             max_retry_after_s=1.0)  # fmt: skip
+            backend = VllmBackend(cfg)
+            await backend.start()
+            try:
+                g = await backend.generate(
+                    _req(Query(id="r", prompt="x", max_tokens=3)), lambda p, d: None
+                )
+            finally:
+                await backend.close()
+        return g.error, g.attempts, [b - a for a, b in itertools.pairwise(asked)]
+
+    error, attempts, gaps = await run(limited(429, 2, "0.3"))
+    assert error is None and attempts == 3
+    assert all(0.3 <= gap < 1.0 for gap in gaps), gaps  # Retry-After honoured
+    error, attempts, gaps = await run(limited(503, 1, None))
+    assert error is None and attempts == 2 and 0.05 <= gaps[0] < 1.0  # the backoff
+    error, attempts, _ = await run(limited(429, 9, "0"), retries=2)
+    assert attempts == 3 and error is not None and error.startswith("HTTP 429 from ")
+    assert error.endswith("slow down")
+    error, attempts, _ = await run(limited(429, 9, "120"))  # longer than it may wait
+    assert attempts == 1 and error is not None and "HTTP 429" in error
+    error, attempts, _ = await run(limited(500, 9, "0"))  # may have done the work: no retry
+    assert attempts == 1 and error is not None and "HTTP 500" in error
+
+
+async def test_a_cloud_models_worker_talks_to_a_provider_with_its_key(
+    server: RunningServer,
+) -> None:
+    """A provider's OpenAI-compatible endpoint: a bearer key (SWITCHYARD_ENGINE_API_KEY), no
+    /health and no /metrics. The worker's backend for a ``cloud`` model probes /v1/models,
+    reads no engine counts and sends the key; without the key it is told why."""
+    from schemas import ClusterConfig
+    from switchyard.commands.worker import _backend
+    from wiring.settings import Settings
+
+    seen: list[str] = []
+
+    def authorised(request: web.Request) -> web.Response | None:
+        seen.append(f"{request.method} {request.path}")
+        if request.headers.get("Authorization") != "Bearer sk-test":
+            return web.json_response({"error": {"message": "Incorrect API key"}}, status=401)
+        return None
+
+    async def models(request: web.Request) -> web.Response:
+        return authorised(request) or web.json_response(
+            {"object": "list", "data": [{"id": "gpt-x", "object": "model"}]}
+        )
+
+    async def completions(request: web.Request) -> web.Response:
+        refused = authorised(request)
+        if refused is not None:
+            return refused
+        body = await request.json()
+        async with httpx.AsyncClient(base_url=server.url) as c:  # the answer of a real engine
+            r = await c.post("/v1/completions", json={**body, "model": "m"})
+        return web.Response(body=r.content, content_type="text/event-stream")
+
+    async def missing(request: web.Request) -> web.Response:  # a provider has neither
+        seen.append(f"{request.method} {request.path}")
+        return web.json_response({"error": {"message": "not found"}}, status=404)
+
+    async with _endpoint(get_v1__models=models, post_v1__completions=completions,
+                         get_health=missing, get_metrics=missing) as url:  # fmt: skip
+        cfg = ClusterConfig.model_validate(
+            {
+                "models": [
+                    {"name": "gpt-x", "kind": "cloud", "input_usd_per_token": 1e-6,
+                     "output_usd_per_token": 2e-6},
+                    {"name": "m", "input_usd_per_token": 0, "output_usd_per_token": 0},
+                ],
+                "instances": [{"id": "gpt-x-0", "model": "gpt-x", "endpoint": url},
+                              {"id": "m-0", "model": "m", "endpoint": url}],
+            }
+        )  # fmt: skip
+
+        async def worker_backend(
+            instance: str, settings: Settings
+        ) -> tuple[Any, str | None, Any, Any]:
+            be = _backend("vllm", cfg, instance, cfg.model_of(instance), None, None, 1.0, 0,
+                          None, 1.0, settings)  # fmt: skip
+            await be.start()
+            try:
+                load = await be.engine_load()
+                problem = None if not load.answering else await be.model_problem()
+                g = await be.generate(
+                    _req(Query(id="k", prompt="x", max_tokens=3)), lambda p, d: None
+                )
+            finally:
+                await be.close()
+            return load, problem, g, be.config
+
+        keyed = Settings.from_env({"SWITCHYARD_ENGINE_API_KEY": "sk-test"})
+        load, problem, g, config = await worker_backend("gpt-x-0", keyed)
+        assert load.answering and load.running is None and problem is None
+        assert g.error is None and g.output_tokens == 3
+        assert "GET /health" not in seen and "GET /metrics" not in seen
+        assert "sk-test" not in repr(config) and "sk-test" not in repr(keyed)
+
+        load, _, g, _ = await worker_backend("gpt-x-0", Settings.from_env({}))
+        assert not load.answering and load.problem == f"{url}/v1/models: HTTP 401"
+        assert g.error == f"HTTP 401 from {url}/v1/completions: Incorrect API key"
+
+        seen.clear()  # a local model's worker still asks vLLM's /health
+        load, _, _, _ = await worker_backend("m-0", keyed)
+        assert seen[0] == "GET /health" and load.problem == f"{url}/health: HTTP 404"

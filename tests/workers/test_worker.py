@@ -462,6 +462,42 @@ async def test_sim_backend_and_step_timings(env: dict[str, Any], kafka_bootstrap
         assert predicted == pytest.approx(batch.duration_ms, rel=1e-6)
 
 
+async def test_a_cloud_models_rate_limit_paces_what_the_worker_sends(
+    env: dict[str, Any],
+) -> None:
+    """``rate_limit_rps`` (a provider's limit): a burst of 6 goes to the endpoint 1/rate
+    apart, as the simulator's cloud endpoint admits it (workers.pacing), and is counted."""
+    iid = "rl-" + uuid.uuid4().hex[:8]
+    spec = _cluster(iid, max_concurrency=8).model_dump()
+    spec["models"][0] |= {"kind": "cloud", "rate_limit_rps": 10.0}
+    cluster = ClusterConfig.model_validate(spec)
+    period = period_id(time.time(), 3600)
+    queries = [_routed(f"{iid}-q{i}", iid, period, max_tokens=2) for i in range(6)]
+    sent: list[float] = []
+
+    class Recording(SimBackend):
+        async def generate(self, req: Any, on_progress: Any) -> Any:
+            sent.append(time.monotonic())
+            return await super().generate(req, on_progress)
+
+    backend = Recording(cluster.model("tiny"), instance_id=iid, time_scale=2.0)
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.1), cluster, backend, env["settings"],
+        env["state"],
+    )  # fmt: skip
+    await _produce(
+        env["producer"], topics.route(iid), [rq.model_dump_json().encode() for rq in queries]
+    )
+    client: SwitchyardClient = env["client"]
+    async with running(worker):
+        results = [await client.result(rq.query.id, timeout_s=20) for rq in queries]
+    assert all(r.error is None for r in results) and len(sent) == 6
+    gaps = sorted(b - a for a, b in zip(sorted(sent), sorted(sent)[1:], strict=False))
+    assert gaps[0] >= 0.095, gaps  # 1/10 s apart, though all 6 arrived at once
+    paced = worker.metrics.rate_paced_s._value.get()
+    assert paced >= 0.1 + 0.2 + 0.3 + 0.4 + 0.5 - 0.05  # the burst's waits, counted
+
+
 async def test_redis_outage_does_not_stop_results_and_state_rebuilds(
     env: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -5,17 +5,21 @@ always streamed (``stream_options.include_usage`` asked for). TTFT is measured a
 first chunk carrying text. Token counts come from the final usage chunk when the server
 honours ``include_usage``, else from counted text chunks (vLLM streams one token per
 chunk). Connection failures (nothing reached the server) are retried with exponential
-backoff; anything else — HTTP errors, a broken stream, a timeout — becomes an error
-``Generation`` at once, since the server may already have done the work.
+backoff, and so are answers of 429 (rate limited) and 503 (overloaded), which refuse the
+request before any work, after their Retry-After when they give one (at most
+``VllmConfig.max_retry_after_s``); anything else — other HTTP errors, a broken stream, a
+timeout — becomes an error ``Generation`` at once, since the server may already have done
+the work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -60,6 +64,22 @@ _CONTEXT = re.compile(r"maximum context length is (\d+)")
 _INPUT = re.compile(r"(\d+) (?:in the messages|in the prompt|input tokens)")
 
 
+_RETRY_STATUS = frozenset({429, 503})  # too many requests, overloaded: worth a retry
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """A Retry-After header's wait in seconds: its delay-seconds form (RFC 9110 § 10.2.3;
+    providers send that one), else None (absent, an HTTP date, or unreadable: then the
+    backoff applies)."""
+    if header is None:
+        return None
+    try:
+        value = float(header.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def refit_cap(message: str) -> int | None:
     """The output cap that fits, from vLLM's 400 for a ``max_tokens`` past the context
     ("maximum context length is C tokens … P in the messages" / "… has P input tokens"):
@@ -78,13 +98,22 @@ class VllmConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 120.0  # longest silence between two chunks
     request_timeout_s: float = 900.0  # whole request
-    retries: int = 3  # extra attempts after a connection failure
+    # extra attempts after a connection failure, or an answer of 429 / 503 (rate limited,
+    # overloaded: a provider's endpoint says so before any token)
+    retries: int = 3
     backoff_s: float = 0.2  # first retry delay; doubles each time
+    # the longest wait a 429/503's Retry-After may ask for before a retry; a longer one
+    # ends the query as an error Result at once (its deadline would pass waiting)
+    max_retry_after_s: float = 30.0
     max_connections: int = 256
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token
     max_output_tokens: int | None = None  # cap sent when a query sets none (the ledger's bound)
-    # the liveness probe (GET /health at each heartbeat): no answer within this is "down"
+    # the liveness probe (GET ``probe_path`` at each heartbeat): no answer within this is "down"
     health_timeout_s: float = 1.0
+    # vLLM answers /health; a provider's endpoint has none, and /v1/models answers there
+    probe_path: str = "/health"
+    # read the engine's counts from GET /metrics at each heartbeat (vLLM); a provider has none
+    read_metrics: bool = True
 
 
 def request_body(
@@ -209,14 +238,15 @@ class VllmBackend:
 
     async def _health_problem(self) -> str | None:
         assert self._client is not None
+        path, limit_s = self.config.probe_path, self.config.health_timeout_s
         try:
-            resp = await self._client.get("/health", timeout=self.config.health_timeout_s)
+            resp = await self._client.get(path, timeout=limit_s)
         except httpx.TimeoutException:
-            return f"{self.base_url}/health: no answer in {self.config.health_timeout_s:g} s"
+            return f"{self.base_url}{path}: no answer in {limit_s:g} s"
         except httpx.HTTPError as exc:
-            return f"{self.base_url}/health: {type(exc).__name__}: {exc}"
+            return f"{self.base_url}{path}: {type(exc).__name__}: {exc}"
         if resp.status_code != 200:
-            return f"{self.base_url}/health: HTTP {resp.status_code}"
+            return f"{self.base_url}{path}: HTTP {resp.status_code}"
         return None
 
     async def engine_load(self) -> EngineLoad:
@@ -225,6 +255,8 @@ class VllmBackend:
         problem = await self._health_problem()
         if problem is not None:
             return EngineLoad(answering=False, problem=problem)
+        if not self.config.read_metrics:
+            return EngineLoad()
         try:
             resp = await self._client.get("/metrics", timeout=2.0)
             if resp.status_code != 200:
@@ -268,6 +300,15 @@ class VllmBackend:
                 state.error = (
                     f"stream from {self.base_url}{path} broke: {type(exc).__name__}: {exc}"
                 )
+            if state.status in _RETRY_STATUS and attempt <= self.config.retries:
+                delay = self._retry_delay(state.retry_after_s, attempt)
+                if delay is not None:
+                    log.warning(
+                        "query %s: HTTP %d from %s; retry %d/%d in %.2f s",
+                        req.query.id, state.status, self.base_url, attempt, self.config.retries, delay,
+                    )  # fmt: skip
+                    await asyncio.sleep(delay)
+                    continue
             refit = (
                 refit_cap(state.error)
                 if state.error is not None and state.error.startswith("HTTP 400")
@@ -284,6 +325,13 @@ class VllmBackend:
                 continue
             return state.result(sent_at, attempt)
 
+    def _retry_delay(self, retry_after_s: float | None, attempt: int) -> float | None:
+        """The wait before retrying a 429/503: the server's Retry-After when it gave one,
+        else the backoff; None when the server asks for longer than ``max_retry_after_s``."""
+        if retry_after_s is None:
+            return self.config.backoff_s * 2 ** (attempt - 1)
+        return retry_after_s if retry_after_s <= self.config.max_retry_after_s else None
+
     async def _stream(
         self, path: str, body: dict[str, Any], state: _StreamState, on_progress: ProgressFn
     ) -> None:
@@ -291,6 +339,8 @@ class VllmBackend:
         async with self._client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 raw = await resp.aread()
+                state.status = resp.status_code
+                state.retry_after_s = retry_after_s(resp.headers.get("retry-after"))
                 state.error = (
                     f"HTTP {resp.status_code} from {self.base_url}{path}: {error_message(raw)}"
                 )
@@ -318,6 +368,8 @@ class _StreamState:
         self.first_token_at: float | None = None
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
+        self.status: int | None = None  # an answer's HTTP status other than 200
+        self.retry_after_s: float | None = None  # and its Retry-After, in seconds
         self.done = False
 
     def consume(self, payload: str, on_progress: ProgressFn) -> bool:
