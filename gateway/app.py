@@ -309,7 +309,7 @@ class _Stream:
         await self.emit(chunk_body(self.query, self.created, self.model, text, first=not self.sent))
         self.sent.append(text)
 
-    async def end(self, finish: str, usage_of: dict[str, int]) -> None:
+    async def end(self, finish: str, usage_of: dict[str, Any]) -> None:
         if not self.sent:  # a chat stream always opens with the assistant's role
             await self.emit(chunk_body(self.query, self.created, self.model, "", first=True))
         await self.emit(chunk_body(self.query, self.created, self.model, "", finish))

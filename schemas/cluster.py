@@ -55,9 +55,10 @@ class ModelSpec(BaseModel):
     # None: the input price (no discount). Large API providers bill cache reads at 10-25% of
     # the input price; for a self-hosted engine the input price stands for the prefill
     # compute that a hit skips. At most the input price. The simulator bills the engine's
-    # cached tokens at it; the service's worker still bills every prompt token at the input
-    # price (vLLM reports no per-request cached count unless asked), so a service with a
-    # money budget should leave it unset: the router would predict less spend than is billed.
+    # cached tokens at it, and the service's worker the cached tokens the engine reports in
+    # its usage (vLLM with --enable-prompt-tokens-details, as `services up --vllm` starts it;
+    # providers with prompt caching). With an engine that reports none, leave it unset in a
+    # service with a money budget: the router would predict less spend than is billed.
     cached_input_usd_per_token: float | None = Field(default=None, ge=0, le=1.0)
     gpus_per_instance: int = Field(default=1, ge=0, le=1024)
     max_concurrency: int = Field(default=64, ge=1, le=65_536)

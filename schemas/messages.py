@@ -175,6 +175,9 @@ class Result(BaseModel):
     e2e_ms: float | None = Field(default=None, ge=0)
     prompt_tokens: int = Field(default=0, ge=0)
     output_tokens: int = Field(default=0, ge=0)
+    # of ``prompt_tokens``, those the engine found in its prefix cache, billed at the
+    # model's cached-input price; None: the engine did not say (billed at the input price)
+    cached_tokens: int | None = Field(default=None, ge=0)
     cost_usd: float = Field(default=0.0, ge=0)
     slo_met: bool | None = None
     error: str | None = None

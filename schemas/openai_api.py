@@ -80,12 +80,17 @@ def query_from_request(
 # ----------------------------------------------------------------------------- responses
 
 
-def usage(result: Result) -> dict[str, int]:
-    return {
+def usage(result: Result) -> dict[str, Any]:
+    """OpenAI's ``usage``, with ``prompt_tokens_details.cached_tokens`` when the engine
+    reported its prefix-cache hits."""
+    out: dict[str, Any] = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.output_tokens,
         "total_tokens": result.prompt_tokens + result.output_tokens,
     }
+    if result.cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+    return out
 
 
 def finish_reason(query: Query, result: Result) -> str:
@@ -164,7 +169,7 @@ def chunk_body(
     finish: str | None = None,
     *,
     first: bool = False,
-    usage_of: dict[str, int] | None = None,
+    usage_of: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk; ``text=None`` with ``usage_of`` is the final usage chunk."""
     chat = query.kind == "chat"

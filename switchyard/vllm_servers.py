@@ -13,7 +13,9 @@ the instance's model settings from the cluster config:
     --served-model-name      ModelSpec.name
 
 and ``--enforce-eager`` (torch.compile's cache does not reload in this build, so every start
-would recompile: 45-105 s instead of ~35 s).
+would recompile: 45-105 s instead of ~35 s), and ``--enable-prompt-tokens-details`` (each
+usage chunk then says how many prompt tokens the prefix cache served, which the worker bills at
+the model's cached-input price).
 
 CPU binding: left alone, vLLM's CPU build binds every server's OpenMP threads by NUMA node
 (``VLLM_CPU_OMP_THREADS_BIND=auto``), so two servers on one node are pinned to the *same* cores
@@ -91,6 +93,7 @@ class ServerSettings:
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--enforce-eager",
+            "--enable-prompt-tokens-details",
             "--uvicorn-log-level", "warning",
         ]  # fmt: skip
 

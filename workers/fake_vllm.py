@@ -45,6 +45,9 @@ class FakeVllmConfig:
     mean_output_tokens: float = 128.0
     error_rate: float = 0.0  # fraction of requests answered with HTTP 500 (seeded)
     honour_include_usage: bool = True  # False: behave like servers that ignore stream_options
+    # usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details, which
+    # switchyard's own launcher always sets): the prompt tokens the prefix cache served
+    prompt_tokens_details: bool = True
     seed: int = 0
 
 
@@ -193,6 +196,16 @@ class FakeVllm:
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    def _usage(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": output_tokens,
+            "total_tokens": prompt_tokens + output_tokens,
+        }
+        if self.config.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
+
     async def completions(self, req: web.Request) -> web.StreamResponse:
         return await self._serve(req, chat=False)
 
@@ -224,7 +237,9 @@ class FakeVllm:
         block_tokens = 512.0
         if self.engine.engine.sched.prefix_caching:
             hashes = text_block_hashes(text)
-            block_tokens = text_block_tokens(len(text.encode("utf-8", "surrogatepass")), prompt_tokens)
+            block_tokens = text_block_tokens(
+                len(text.encode("utf-8", "surrogatepass")), prompt_tokens
+            )
         events = self.engine.submit(prompt_tokens, n_out, n_out, None, hashes, block_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         finish_reason = "length" if max_tokens is not None and n_out >= max_tokens else "stop"
@@ -232,16 +247,12 @@ class FakeVllm:
             return await self._stream(
                 req, events, rid, chat, seed_text, prompt_tokens, finish_reason, include_usage
             )
-        tokens = 0
+        tokens = cached = 0
         async for ev in events:
-            tokens = ev.tokens
+            tokens, cached = ev.tokens, ev.cached_tokens
         self._count(prompt_tokens, tokens, finish_reason)
         text = synth.tokens_text(seed_text, 0, tokens)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": tokens,
-            "total_tokens": prompt_tokens + tokens,
-        }
+        usage = self._usage(prompt_tokens, tokens, cached)
         choice: dict[str, Any]
         if chat:
             choice = {
@@ -320,7 +331,7 @@ class FakeVllm:
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = 0
 
-        def chunk(choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> bytes:
+        def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
             payload: dict[str, Any] = {
                 "id": rid,
                 "object": obj,
@@ -366,12 +377,7 @@ class FakeVllm:
                     await resp.write(bytes(buf))
             self._count(prompt_tokens, sent, finish_reason)
             if include_usage:
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": sent,
-                    "total_tokens": prompt_tokens + sent,
-                }
-                await resp.write(chunk(None, usage))
+                await resp.write(chunk(None, self._usage(prompt_tokens, sent, ev.cached_tokens)))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):

@@ -36,6 +36,7 @@ class StreamEvent:
     tokens: int
     prefilled_tokens: int
     wall_s: float  # time.time() when the engine produced it
+    cached_tokens: int = 0  # finished: prompt tokens its admission found in the prefix cache
 
 
 @dataclass
@@ -226,7 +227,7 @@ class RealtimeEngine:
                 self._wake.clear()
                 now_v = self.vnow()
                 for ev in self.engine.advance_to(now_v):
-                    self._on_event(ev.kind, ev.request_id, ev.t_s)
+                    self._on_event(ev.kind, ev.request_id, ev.t_s, ev.cached_tokens)
                 self._progress(now_v)
                 nxt = self.engine.next_event_s()
                 if nxt is None and not self._subs:
@@ -248,7 +249,7 @@ class RealtimeEngine:
                 )
             self._subs.clear()
 
-    def _on_event(self, kind: str, rid: str, t_v: float) -> None:
+    def _on_event(self, kind: str, rid: str, t_v: float, cached_tokens: int = 0) -> None:
         sub = self._subs.get(rid)
         if sub is None:
             return
@@ -260,7 +261,9 @@ class RealtimeEngine:
         elif kind == "finished":
             sub.prefilled = sub.prompt_tokens
             sub.emitted = sub.output_tokens
-            sub.queue.put_nowait(StreamEvent("finished", sub.output_tokens, sub.prefilled, wall))
+            sub.queue.put_nowait(
+                StreamEvent("finished", sub.output_tokens, sub.prefilled, wall, cached_tokens)
+            )
             del self._subs[rid]
 
     def _progress(self, now_v: float) -> None:

@@ -920,8 +920,9 @@ class Worker:
         ttft_ms = (
             None if gen.first_token_at is None else max(0.0, (gen.first_token_at - origin) * 1000.0)
         )
+        # prompt tokens the engine found cached are billed at the cached-input price
         cost = (
-            self.spec.cost_usd(gen.prompt_tokens, gen.output_tokens)
+            self.spec.cost_usd(gen.prompt_tokens, gen.output_tokens, gen.cached_tokens or 0)
             if gen.output_tokens > 0
             else 0.0
         )
@@ -936,6 +937,7 @@ class Worker:
             e2e_ms=max(0.0, (gen.finished_at - origin) * 1000.0),
             prompt_tokens=gen.prompt_tokens,
             output_tokens=gen.output_tokens,
+            cached_tokens=gen.cached_tokens,
             cost_usd=cost,
             slo_met=slo_met,
             error=gen.error,

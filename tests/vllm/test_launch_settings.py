@@ -25,6 +25,7 @@ def test_shipped_cluster_gives_two_different_servers() -> None:
     args = wide.args(Path("/m"), 18000)
     assert args[args.index("--max-model-len") + 1] == "2048"
     assert "--enforce-eager" in args and "--enable-prefix-caching" in args
+    assert "--enable-prompt-tokens-details" in args  # the usage chunk's cached_tokens
     narrow_args = settings[1].args(Path("/m"), 18001)
     assert "--no-enable-prefix-caching" in narrow_args
 

@@ -178,11 +178,13 @@ async def test_the_worker_reads_real_vllms_prefix_counters(real_servers: Cluster
                 continue
             rec = PrefixReconciler(1e6, 1e6)
             rec.scrape(before)
+            cached: list[int | None] = []
             for i, text in enumerate((first, second)):
                 q = Query(id=f"px{i}", prompt=text, max_tokens=2)
                 gen = await be.generate(GenerationRequest(q, uuid.uuid4().hex, 400, 2),
                                         lambda p, d: None)  # fmt: skip
                 assert gen.error is None, gen.error
+                cached.append(gen.cached_tokens)  # the usage chunk's, which the worker bills
             after = (await be.engine_load()).prefix_counters
             assert after is not None
             hits = after[1] - before[1]
@@ -190,8 +192,10 @@ async def test_the_worker_reads_real_vllms_prefix_counters(real_servers: Cluster
             if spec.scheduler.prefix_caching:
                 assert after[0] > before[0] and hits >= 3 * 128, (before, after)
                 assert rec.engine_hit_rate is not None and rec.engine_hit_rate > 0
+                assert cached[0] in (0, None) and (cached[1] or 0) >= 3 * 128, cached
             else:
                 assert hits == 0, (before, after)
+                assert cached == [0, 0] or cached == [None, None], cached
         finally:
             await be.close()
 

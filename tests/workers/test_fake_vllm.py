@@ -88,7 +88,33 @@ async def test_streaming_completion_format(server: RunningServer) -> None:
         "prompt_tokens": 50,
         "completion_tokens": 7,
         "total_tokens": 57,
+        "prompt_tokens_details": {"cached_tokens": 0},  # as vLLM's --enable-prompt-tokens-details
     }
+
+
+async def test_prefix_cache_hits_are_reported_in_usage_and_read_by_the_backend(
+    server: RunningServer,
+) -> None:
+    """The second of two prompts sharing a 4 KiB head finds it cached: the usage chunk says
+    how many prompt tokens (``prompt_tokens_details.cached_tokens``), and the backend's
+    ``Generation.cached_tokens`` carries it to the worker, which bills them at the cached
+    price."""
+    head = f"[{server.url}] " + "the same long context again " * 150
+    backend = VllmBackend(VllmConfig(endpoint=server.url, model="m"))
+    await backend.start()
+    try:
+        got = [
+            await backend.generate(
+                _req(Query(id=f"c{i}", prompt=head + tail, max_tokens=2)), lambda p, d: None
+            )
+            for i, tail in enumerate(("first question", "second question"))
+        ]
+    finally:
+        await backend.close()
+    assert all(g.error is None for g in got)
+    assert got[0].cached_tokens == 0
+    assert got[1].cached_tokens is not None and 0.5 * got[1].prompt_tokens < got[1].cached_tokens
+    assert got[1].cached_tokens < got[1].prompt_tokens
 
 
 async def test_non_streaming_chat_and_models(server: RunningServer) -> None:

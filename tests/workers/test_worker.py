@@ -498,6 +498,54 @@ async def test_a_cloud_models_rate_limit_paces_what_the_worker_sends(
     assert paced >= 0.1 + 0.2 + 0.3 + 0.4 + 0.5 - 0.05  # the burst's waits, counted
 
 
+async def test_prompt_tokens_the_engine_found_cached_are_billed_at_the_cached_price(
+    env: dict[str, Any],
+) -> None:
+    """The engine's usage says how many prompt tokens its prefix cache served (vLLM's
+    ``prompt_tokens_details.cached_tokens``): the Result carries them and its cost bills
+    them at ``cached_input_usd_per_token``, which the ledger settles."""
+    iid = "cc-" + uuid.uuid4().hex[:8]
+    spec = _cluster(iid, max_concurrency=1).model_dump()
+    spec["models"][0]["cached_input_usd_per_token"] = IN_USD / 10
+    cluster = ClusterConfig.model_validate(spec)
+    server = await start_server(
+        build_server(coefficients=COEF, time_scale=1.0, config=FakeVllmConfig(model="tiny"))
+    )
+    env["cleanup"].append(server.stop)
+    period = period_id(time.time(), 3600)
+    head = f"[{iid}] " + "a long shared system prompt " * 150  # ~4 KiB: whole cache blocks
+    queries = []
+    for i, tail in enumerate(("first question", "second question")):
+        rq = _routed(f"{iid}-q{i}", iid, period, max_tokens=4)
+        queries.append(
+            rq.model_copy(update={"query": rq.query.model_copy(update={"prompt": head + tail})})
+        )
+    state: StateStore = env["state"]
+    await state.reserve_budget("acme", period, 10.0, {rq.query.id: 0.05 for rq in queries})
+    worker = Worker(
+        WorkerConfig(instance_id=iid, heartbeat_s=0.2), cluster,
+        VllmBackend(VllmConfig(endpoint=server.url, model="tiny")), env["settings"], state,
+    )  # fmt: skip
+    client: SwitchyardClient = env["client"]
+    results = []
+    async with running(worker):
+        for rq in queries:  # one after the other: the second finds the first's blocks
+            await _produce(env["producer"], topics.route(iid), [rq.model_dump_json().encode()])
+            results.append(await client.result(rq.query.id, timeout_s=20))
+    first, second = results
+    assert first.error is None and second.error is None
+    assert first.cached_tokens == 0
+    assert second.cached_tokens is not None and 0 < second.cached_tokens < second.prompt_tokens
+    for r in results:
+        cached = r.cached_tokens or 0
+        assert r.cost_usd == pytest.approx(
+            IN_USD * (r.prompt_tokens - cached) + IN_USD / 10 * cached + OUT_USD * r.output_tokens
+        )
+    assert second.cost_usd < first.cost_usd
+    status = await state.budget_status("acme", period)
+    assert status.spent_usd == pytest.approx(first.cost_usd + second.cost_usd, abs=1e-9)
+
+
 async def test_redis_outage_does_not_stop_results_and_state_rebuilds(
     env: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -42,6 +42,10 @@ class Generation:
     attempts: int = 1
     usage_reported: bool = False  # token counts from the engine's usage, not counted chunks
     finish_reason: str | None = None  # the engine's ("stop", "length", …), when it said
+    # prompt tokens the engine found in its prefix cache, when it said (the usage chunk's
+    # ``prompt_tokens_details.cached_tokens``: vLLM with --enable-prompt-tokens-details,
+    # providers with prompt caching); None: not reported
+    cached_tokens: int | None = None
 
     @property
     def engine_ttft_ms(self) -> float | None:

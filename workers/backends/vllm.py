@@ -80,6 +80,16 @@ def retry_after_s(header: str | None) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+def cached_tokens_of(usage: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field; vLLM fills it when
+    started with ``--enable-prompt-tokens-details``), or None when absent or not a count."""
+    details = usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
 def refit_cap(message: str) -> int | None:
     """The output cap that fits, from vLLM's 400 for a ``max_tokens`` past the context
     ("maximum context length is C tokens … P in the messages" / "… has P input tokens"):
@@ -397,6 +407,7 @@ class _StreamState:
 
     def result(self, sent_at: float, attempts: int) -> Generation:
         prompt, output, reported = self.prompt_tokens, self.chunks, False
+        cached: int | None = None
         if self.usage is not None:
             try:
                 prompt = int(self.usage.get("prompt_tokens", prompt))
@@ -404,6 +415,7 @@ class _StreamState:
                 reported = True
             except (TypeError, ValueError):
                 pass
+            cached = cached_tokens_of(self.usage)
         return Generation(
             text="".join(self.parts),
             prompt_tokens=max(0, prompt),
@@ -415,4 +427,5 @@ class _StreamState:
             attempts=attempts,
             usage_reported=reported,
             finish_reason=self.finish_reason,
+            cached_tokens=None if cached is None else min(cached, max(0, prompt)),
         )
