@@ -91,6 +91,14 @@ def _mix(h: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
     return h
 
 
+def _bucket(h: npt.NDArray[np.uint64], nb: np.uint64) -> npt.NDArray[np.uint64]:
+    """``h % nb``; a mask when ``nb`` is a power of two (the same values, no division)."""
+    if int(nb) & (int(nb) - 1) == 0:
+        out: npt.NDArray[np.uint64] = h & (nb - np.uint64(1))
+        return out
+    return h % nb
+
+
 def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -> sp.csr_matrix:
     """Sparse ``[n, n_buckets]`` counts of hashed char 3/4-grams and words."""
     prepped = _prep(texts, max_chars)
@@ -113,7 +121,7 @@ def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -
             ok = (doc[:k] == doc[width - 1 : width - 1 + k]) & (cps[width - 1 : width - 1 + k] != 0)
             ok &= cps[:k] != 0
             rows.append(doc[:k][ok])
-            cols.append(_mix(h[ok], width) % nb)
+            cols.append(_bucket(_mix(h[ok], width), nb))
         # words: maximal runs of alphanumeric ASCII characters (CJK is covered by char n-grams)
         is_word = ((cps >= 48) & (cps <= 57)) | ((cps >= 97) & (cps <= 122))
         starts = np.flatnonzero(is_word & ~np.concatenate(([False], is_word[:-1])))
@@ -128,11 +136,35 @@ def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -
             vals = cps[in_word] * powers[np.minimum(pos, 63)]
             wh = np.add.reduceat(vals, np.flatnonzero(np.diff(np.concatenate(([-1], rid))) != 0))
             rows.append(doc[starts])
-            cols.append(_mix(wh, 1) % nb)
+            cols.append(_bucket(_mix(wh, 1), nb))
     r = np.concatenate(rows) if rows else np.zeros(0, np.int64)
     c = np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, np.int64)
-    mat = sp.csr_matrix((np.ones(len(r), dtype=np.float64), (r, c)), shape=(n, n_buckets))
-    mat.sum_duplicates()
+    return _csr_counts(r, c, n, n_buckets)
+
+
+def _csr_counts(
+    rows: npt.NDArray[np.int64], cols: npt.NDArray[np.int64], n: int, n_buckets: int
+) -> sp.csr_matrix:
+    """The canonical CSR matrix counting each (row, column) pair: one sort of the pairs'
+    int64 keys (row-major) and their runs, the same matrix as COO -> CSR + sum_duplicates
+    at a third of the cost."""
+    key = rows * n_buckets + cols
+    key.sort()
+    if key.size:
+        starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+        counts = np.diff(np.append(starts, key.size)).astype(np.float64)
+        uniq = key[starts]
+        if n_buckets & (n_buckets - 1) == 0:  # a power of two: a shift and a mask
+            row, col = uniq >> (n_buckets.bit_length() - 1), uniq & (n_buckets - 1)
+        else:
+            row, col = np.divmod(uniq, n_buckets)
+    else:
+        counts, row, col = np.zeros(0), key, key
+    indptr = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.bincount(row, minlength=n), out=indptr[1:])
+    mat = sp.csr_matrix((counts, col.astype(np.int32), indptr), shape=(n, n_buckets))
+    mat.has_sorted_indices = True
+    mat.has_canonical_format = True
     return mat
 
 
@@ -222,10 +254,18 @@ class HashedNgramFeaturizer:
     def _tfidf(self, texts: Sequence[str]) -> sp.csr_matrix:
         assert self.idf is not None
         x = hashed_counts(texts, self.n_buckets, self.max_chars)
-        x.data = 1.0 + np.log(x.data)
-        x = x @ sp.diags(self.idf)
-        norms = np.sqrt(np.asarray(x.multiply(x).sum(axis=1)).ravel())
-        return sp.diags(1.0 / np.maximum(norms, 1e-12)) @ x
+        # sublinear tf x idf, rows L2-normalised, on the CSR arrays in place: the values
+        # of ``diag(1/norm) @ (x @ diag(idf))``, each one product, and the squares summed
+        # per row in column order, as scipy's ``sum(axis=1)`` (``np.add.reduceat``) does
+        data = (1.0 + np.log(x.data)) * self.idf[x.indices]
+        nnz = np.diff(x.indptr)
+        full = np.flatnonzero(nnz)
+        sq = np.zeros(x.shape[0])
+        if full.size:
+            sq[full] = np.add.reduceat(data * data, x.indptr[full])
+        inv = 1.0 / np.maximum(np.sqrt(sq), 1e-12)
+        x.data = inv.repeat(nnz) * data
+        return x
 
     def fit(self, texts: Sequence[str]) -> HashedNgramFeaturizer:
         if len(texts) == 0:
