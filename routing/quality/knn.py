@@ -118,6 +118,7 @@ class KNNEstimator:
         self.W: npt.NDArray[np.float32] | None = None  # [B, n_train]
         self.prior: npt.NDArray[np.float32] | None = None  # [B, m]
         self._ZT: Float32Array | None = None  # Z transposed, contiguous (the product's right side)
+        self._YM: npt.NDArray[np.float32] | None = None  # Y * M, the masked scores
 
     def _z(self, X: Float32Array) -> Float32Array:
         d = self.semantic_dims or X.shape[1]
@@ -132,6 +133,7 @@ class KNNEstimator:
         X, Yz, mask = check_xy(X, Y)
         self.Z = self._z(X)
         self._ZT = None
+        self._YM = None
         self.Y = Yz.astype(np.float32)
         self.M = mask.astype(np.float32)
         W = bootstrap_weights(X.shape[0], n_replicates, seed)
@@ -153,6 +155,8 @@ class KNNEstimator:
         z = self._z(X)
         if self._ZT is None:
             self._ZT = np.ascontiguousarray(self.Z.T)
+        if self._YM is None or self._YM.shape != self.Y.shape:
+            self._YM = self.Y * self.M  # gathered once per window below, not Y and M apart
         n, k = len(z), min(self.k, self._ZT.shape[1])
         idx = np.empty((n, k), dtype=np.int64)
         s = np.empty((n, k), dtype=np.float32)
@@ -163,7 +167,7 @@ class KNNEstimator:
             s[start : start + len(got)] = np.take_along_axis(sim, got, axis=1)
         s = np.maximum(s, 0.0) + 1e-3  # [n, k]
         w = self.W[:, idx] * s[None]  # [B, n, k]
-        ym = self.Y[idx] * self.M[idx]  # [n, k, m]
+        ym = self._YM[idx]  # [n, k, m]: Y[idx] * M[idx], the same products
         mk = self.M[idx]
         num = np.einsum("bnk,nkm->bnm", w, ym, optimize=True)
         den = np.einsum("bnk,nkm->bnm", w, mk, optimize=True)
