@@ -469,9 +469,10 @@ def decisions(
             continue
         k = cols[j]
         flags = list(out.flags[i])
-        for f in col_flags[k]:
-            if f not in flags:
-                flags.append(f)
+        if flags:
+            flags.extend(f for f in col_flags[k] if f not in flags)
+        else:
+            flags = list(col_flags[k])  # distinct flags already
         t = ttft[j]
         result.append(
             decision_trusted(
