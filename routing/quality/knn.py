@@ -158,21 +158,18 @@ class KNNEstimator:
         if self._YM is None or self._YM.shape != self.Y.shape:
             self._YM = self.Y * self.M  # gathered once per window below, not Y and M apart
         n, k = len(z), min(self.k, self._ZT.shape[1])
-        idx = np.empty((n, k), dtype=np.int64)
-        s = np.empty((n, k), dtype=np.float32)
-        # the neighbours of each block of rows while its similarities are in cache
-        for start, sim in similarity_blocks(z, self._ZT):
-            got = largest_k(sim, k)
-            idx[start : start + len(got)] = got
-            s[start : start + len(got)] = np.take_along_axis(sim, got, axis=1)
-        s = np.maximum(s, 0.0) + 1e-3  # [n, k]
-        w = self.W[:, idx] * s[None]  # [B, n, k]
-        ym = self._YM[idx]  # [n, k, m]: Y[idx] * M[idx], the same products
-        mk = self.M[idx]
-        num = np.einsum("bnk,nkm->bnm", w, ym, optimize=True)
-        den = np.einsum("bnk,nkm->bnm", w, mk, optimize=True)
         pw = np.float32(self.prior_weight)
-        out: npt.NDArray[np.float32] = (num + pw * self.prior[:, None, :]) / (den + pw)
+        prior = pw * self.prior[:, None, :]
+        out: npt.NDArray[np.float32] = np.empty((len(self.W), n, self.Y.shape[1]), np.float32)
+        # each block of rows start to end while its similarities are in cache: neighbours,
+        # then the replicates' weighted averages (row by row, as over the whole window)
+        for start, sim in similarity_blocks(z, self._ZT):
+            idx = largest_k(sim, k)  # [r, k]
+            s = np.maximum(np.take_along_axis(sim, idx, axis=1), 0.0) + 1e-3
+            w = self.W[:, idx] * s[None]  # [B, r, k]
+            num = np.einsum("bnk,nkm->bnm", w, self._YM[idx], optimize=True)  # Y·M, masked
+            den = np.einsum("bnk,nkm->bnm", w, self.M[idx], optimize=True)
+            out[:, start : start + len(idx)] = (num + prior) / (den + pw)
         return out
 
     def state(self) -> tuple[dict[str, Any], Arrays]:
