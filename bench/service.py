@@ -652,8 +652,11 @@ def _core_text(window: int, i: int, repeat: bool) -> str:
 class _Split:
     """CPU time (``process_time``) of the window's parts, by wrapping them in place.
 
-    ``decide`` (``Router.decide``) holds ``quality`` (the quality predictor) which holds
-    ``featurize``; ``parse`` is ``schemas.parse_query`` in the service; ``redis`` and
+    ``decide`` (``Router.decide``) holds ``prepare`` (the window's arrays), which holds
+    ``quality`` (the quality predictor), which holds ``featurize`` and ``knn`` (the
+    estimator's neighbours and replicate averages); then, for the batch policies,
+    ``ttft_ilp`` (the ILP with its SFS TTFT cuts) and ``decisions`` (the ``Decision``
+    objects); ``parse`` is ``schemas.parse_query`` in the service; ``redis`` and
     ``produce`` are the CPU time spent while awaiting a Redis call or a produce with its
     acks, the event loop's other work in those spans included (aiokafka's sender)."""
 
@@ -697,7 +700,19 @@ class _Split:
             featurizer = getattr(quality, "featurizer", None)
             if featurizer is not None:
                 featurizer.transform = self._sync("featurize", featurizer.transform)
+            estimator = getattr(quality, "estimator", None)
+            if estimator is not None:
+                estimator.predict_replicates = self._sync("knn", estimator.predict_replicates)
             quality.predict = self._sync("quality", quality.predict)
+        policy = getattr(router, "inner", router)
+        policy_module = sys.modules.get(type(policy).__module__)
+        for name, part in (
+            ("prepare", "prepare"),
+            ("solve_with_ttft_cuts", "ttft_ilp"),
+            ("decisions", "decisions"),
+        ):
+            if policy_module is not None and hasattr(policy_module, name):
+                setattr(policy_module, name, self._sync(part, getattr(policy_module, name)))
         service_module.parse_query = self._sync("parse", service_module.parse_query)  # type: ignore[attr-defined]
         svc.state._call = self._async("redis", svc.state._call)
         svc._produce = self._async("produce", svc._produce)
