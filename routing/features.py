@@ -83,20 +83,29 @@ def _codepoints(texts: Sequence[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArr
 
 
 def _mix(h: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
+    """Mix the hashes ``h`` in place (a fresh array of the caller's) and return it."""
     with np.errstate(over="ignore"):
-        h = (h ^ np.uint64(salt)) * _MUL
+        h ^= np.uint64(salt)
+        h *= _MUL
         h ^= h >> np.uint64(29)
-        h = h * _MUL
+        h *= _MUL
         h ^= h >> np.uint64(32)
     return h
 
 
-def _bucket(h: npt.NDArray[np.uint64], nb: np.uint64) -> npt.NDArray[np.uint64]:
-    """``h % nb``; a mask when ``nb`` is a power of two (the same values, no division)."""
-    if int(nb) & (int(nb) - 1) == 0:
-        out: npt.NDArray[np.uint64] = h & (nb - np.uint64(1))
-        return out
-    return h % nb
+def _keys(
+    doc: npt.NDArray[np.int64], h: npt.NDArray[np.uint64], n_buckets: int
+) -> npt.NDArray[np.int64]:
+    """Row-major keys ``doc * n_buckets + h % n_buckets`` of hashed items (``h`` is
+    overwritten); a mask instead of the remainder when ``n_buckets`` is a power of two."""
+    nb = np.uint64(n_buckets)
+    if n_buckets & (n_buckets - 1) == 0:
+        h &= nb - np.uint64(1)
+    else:
+        h %= nb
+    key = doc * n_buckets
+    key += h.view(np.int64)  # < n_buckets: the same value
+    return key
 
 
 def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -> sp.csr_matrix:
@@ -107,21 +116,19 @@ def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -
         return sp.csr_matrix((0, n_buckets), dtype=np.float64)
     cps, doc = _codepoints(prepped)
     total = len(cps)
-    rows: list[npt.NDArray[np.int64]] = []
-    cols: list[npt.NDArray[np.uint64]] = []
-    nb = np.uint64(n_buckets)
+    keys: list[npt.NDArray[np.int64]] = []  # each hashed item's row-major (row, bucket) key
     with np.errstate(over="ignore"):
         for width in (3, 4):
             if total < width:
                 continue
             k = total - width + 1
-            h = np.zeros(k, dtype=np.uint64)
-            for t in range(width):
-                h = h * _BASE + cps[t : t + k]
+            h = cps[:k].copy()  # the polynomial hash, one in-place step per character
+            for t in range(1, width):
+                h *= _BASE
+                h += cps[t : t + k]
             ok = (doc[:k] == doc[width - 1 : width - 1 + k]) & (cps[width - 1 : width - 1 + k] != 0)
             ok &= cps[:k] != 0
-            rows.append(doc[:k][ok])
-            cols.append(_bucket(_mix(h[ok], width), nb))
+            keys.append(_keys(doc[:k][ok], _mix(h[ok], width), n_buckets))
         # words: maximal runs of alphanumeric ASCII characters (CJK is covered by char n-grams)
         is_word = ((cps >= 48) & (cps <= 57)) | ((cps >= 97) & (cps <= 122))
         starts = np.flatnonzero(is_word & ~np.concatenate(([False], is_word[:-1])))
@@ -135,20 +142,15 @@ def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -
             powers = np.cumprod(np.full(64, _BASE, dtype=np.uint64))
             vals = cps[in_word] * powers[np.minimum(pos, 63)]
             wh = np.add.reduceat(vals, np.flatnonzero(np.diff(np.concatenate(([-1], rid))) != 0))
-            rows.append(doc[starts])
-            cols.append(_bucket(_mix(wh, 1), nb))
-    r = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    c = np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, np.int64)
-    return _csr_counts(r, c, n, n_buckets)
+            keys.append(_keys(doc[starts], _mix(wh, 1), n_buckets))
+    key = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+    return _csr_counts(key, n, n_buckets)
 
 
-def _csr_counts(
-    rows: npt.NDArray[np.int64], cols: npt.NDArray[np.int64], n: int, n_buckets: int
-) -> sp.csr_matrix:
-    """The canonical CSR matrix counting each (row, column) pair: one sort of the pairs'
-    int64 keys (row-major) and their runs, the same matrix as COO -> CSR + sum_duplicates
-    at a third of the cost."""
-    key = rows * n_buckets + cols
+def _csr_counts(key: npt.NDArray[np.int64], n: int, n_buckets: int) -> sp.csr_matrix:
+    """The canonical CSR matrix counting each row-major key ``row * n_buckets + column``
+    (sorted in place): the runs of the sorted keys, the same matrix as COO -> CSR +
+    sum_duplicates at a third of the cost."""
     key.sort()
     if key.size:
         starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
@@ -257,14 +259,16 @@ class HashedNgramFeaturizer:
         # sublinear tf x idf, rows L2-normalised, on the CSR arrays in place: the values
         # of ``diag(1/norm) @ (x @ diag(idf))``, each one product, and the squares summed
         # per row in column order, as scipy's ``sum(axis=1)`` (``np.add.reduceat``) does
-        data = (1.0 + np.log(x.data)) * self.idf[x.indices]
+        data = np.log(x.data)
+        data += 1.0
+        data *= self.idf[x.indices]
         nnz = np.diff(x.indptr)
         full = np.flatnonzero(nnz)
         sq = np.zeros(x.shape[0])
         if full.size:
             sq[full] = np.add.reduceat(data * data, x.indptr[full])
-        inv = 1.0 / np.maximum(np.sqrt(sq), 1e-12)
-        x.data = inv.repeat(nnz) * data
+        data *= (1.0 / np.maximum(np.sqrt(sq), 1e-12)).repeat(nnz)
+        x.data = data
         return x
 
     def fit(self, texts: Sequence[str]) -> HashedNgramFeaturizer:

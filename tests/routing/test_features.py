@@ -126,7 +126,7 @@ def test_counts_and_tfidf_are_scipys_coo_and_diagonal_products_bit_for_bit(n_buc
     cols = rng.integers(0, n_buckets, 4000)
     ref = sp.csr_matrix((np.ones(4000), (rows, cols)), shape=(60, n_buckets))  # rows 50-59 empty
     ref.sum_duplicates()
-    got = _csr_counts(rows, cols, 60, n_buckets)
+    got = _csr_counts(rows * n_buckets + cols, 60, n_buckets)
     for name in ("data", "indices", "indptr"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name))
     # the tf-idf values as the sparse-matrix formulation computes them, to the last bit
