@@ -166,9 +166,11 @@ class KNNEstimator:
         for start, sim in similarity_blocks(z, self._ZT):
             idx = largest_k(sim, k)  # [r, k]
             s = np.maximum(np.take_along_axis(sim, idx, axis=1), 0.0) + 1e-3
-            w = self.W[:, idx] * s[None]  # [B, r, k]
-            num = np.einsum("bnk,nkm->bnm", w, self._YM[idx], optimize=True)  # Y·M, masked
-            den = np.einsum("bnk,nkm->bnm", w, self.M[idx], optimize=True)
+            # [r, B, k] view of the weights: the batched product ``np.einsum("bnk,nkm->bnm",
+            # optimize=True)`` makes, without its per-call path search
+            w = (self.W[:, idx] * s[None]).transpose(1, 0, 2)
+            num = np.matmul(w, self._YM[idx]).transpose(1, 0, 2)  # [B, r, m]; Y·M, masked
+            den = np.matmul(w, self.M[idx]).transpose(1, 0, 2)
             out[:, start : start + len(idx)] = (num + prior) / (den + pw)
         return out
 
