@@ -42,6 +42,7 @@ State = tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplier for hash mixing
 _BASE = np.uint64(0x100000001B3)
 N_SCALAR = 5
+TRANSFORM_CHUNK = 256  # texts per pass of HashedNgramFeaturizer.transform
 
 
 class Featurizer(Protocol):
@@ -299,6 +300,20 @@ class HashedNgramFeaturizer:
             # C-ordered float64 once: scipy's sparse @ dense otherwise copies the
             # (transposed, float32) projection on every call, ~2 ms a window
             self._proj = np.ascontiguousarray(self.components, dtype=np.float64)
+        n = len(texts)
+        if n <= TRANSFORM_CHUNK:
+            return self._transform(texts)
+        # every step is row by row: a long list in chunks gives the same rows, with
+        # temporaries small enough to stay in cache and in the heap (not fresh pages)
+        out: Float32Array = np.empty((n, self.dim), dtype=np.float32)
+        for start in range(0, n, TRANSFORM_CHUNK):
+            out[start : start + TRANSFORM_CHUNK] = self._transform(
+                texts[start : start + TRANSFORM_CHUNK]
+            )
+        return out
+
+    def _transform(self, texts: Sequence[str]) -> Float32Array:
+        assert self._proj is not None
         z = np.asarray(self._tfidf(texts) @ self._proj, dtype=np.float32)
         sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
         return np.hstack([_l2_rows(z), sc.astype(np.float32)])

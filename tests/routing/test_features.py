@@ -140,3 +140,16 @@ def test_counts_and_tfidf_are_scipys_coo_and_diagonal_products_bit_for_bit(n_buc
     have = f._tfidf(texts)
     assert (have != want).nnz == 0
     np.testing.assert_array_equal(have.toarray(), want.toarray())
+
+
+def test_transform_is_row_by_row_whatever_the_chunks() -> None:
+    from routing.features import TRANSFORM_CHUNK
+
+    f = _fitted()
+    texts = [t + " " + str(i) * (i % 7) for i, t in enumerate((MATH + HISTORY + CHINESE) * 5)]
+    texts += ["", "y" * 4000]
+    assert len(texts) > TRANSFORM_CHUNK
+    whole = f.transform(texts)
+    parts = np.vstack([f.transform(texts[:37]), f.transform(texts[37:])])
+    np.testing.assert_array_equal(whole, parts)
+    np.testing.assert_array_equal(whole[5], f.transform([texts[5]])[0])
