@@ -7,6 +7,8 @@ the instance's model settings from the cluster config:
     --max-model-len          ModelSpec.max_model_len
     --max-num-seqs           scheduler.max_num_seqs
     --max-num-batched-tokens scheduler.max_num_batched_tokens
+    --block-size             scheduler.block_size_tokens (the KV block the router's prefix
+                             and KV models count in: vLLM's own default differs by device)
     VLLM_CPU_KVCACHE_SPACE   scheduler.kv_blocks × block_size_tokens × KV bytes per token,
                              rounded up to whole GiB (the CPU build takes whole GiB)
     prefix caching           scheduler.prefix_caching
@@ -59,6 +61,7 @@ class ServerSettings:
     max_num_batched_tokens: int
     kv_cache_gib: int
     prefix_caching: bool
+    block_size_tokens: int
 
     @classmethod
     def of(
@@ -78,6 +81,7 @@ class ServerSettings:
             max_num_batched_tokens=sch.max_num_batched_tokens,
             kv_cache_gib=max(1, math.ceil(kv_bytes / 2**30)),
             prefix_caching=sch.prefix_caching,
+            block_size_tokens=sch.block_size_tokens,
         )
 
     def args(self, model_dir: Path, port: int) -> list[str]:
@@ -91,6 +95,7 @@ class ServerSettings:
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--block-size", str(self.block_size_tokens),
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--enforce-eager",
             "--enable-prompt-tokens-details",

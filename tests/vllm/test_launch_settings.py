@@ -24,6 +24,7 @@ def test_shipped_cluster_gives_two_different_servers() -> None:
     assert shape.kv_bytes_per_token() == 4096 and wide.kv_cache_gib == 1
     args = wide.args(Path("/m"), 18000)
     assert args[args.index("--max-model-len") + 1] == "2048"
+    assert args[args.index("--block-size") + 1] == "128"  # the config's, not the device default
     assert "--enforce-eager" in args and "--enable-prefix-caching" in args
     assert "--enable-prompt-tokens-details" in args  # the usage chunk's cached_tokens
     narrow_args = settings[1].args(Path("/m"), 18001)
