@@ -370,10 +370,12 @@ class _Stream:
             await self.fail(HttpError(502, chunk.error, "engine_error"))
             return True
         prompt, out = chunk.prompt_tokens or 0, chunk.output_tokens or 0
-        await self.end(
-            chunk.finish_reason or "stop",
-            {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out},
-        )
+        counts: dict[str, Any] = {
+            "prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+        }  # fmt: skip
+        if chunk.cached_tokens is not None:
+            counts["prompt_tokens_details"] = {"cached_tokens": chunk.cached_tokens}
+        await self.end(chunk.finish_reason or "stop", counts)
         return True
 
     async def from_result(self, result: Result) -> None:

@@ -240,6 +240,7 @@ class RelayChunk(BaseModel):
     finish_reason: str | None = Field(default=None, max_length=64)
     prompt_tokens: int | None = Field(default=None, ge=0)
     output_tokens: int | None = Field(default=None, ge=0)
+    cached_tokens: int | None = Field(default=None, ge=0)  # as ``Result.cached_tokens``
     error: str | None = None
 
 

@@ -87,6 +87,7 @@ class RelayWriter:
                 finish_reason=gen.finish_reason,
                 prompt_tokens=gen.prompt_tokens,
                 output_tokens=gen.output_tokens,
+                cached_tokens=gen.cached_tokens,
                 error=gen.error,
             )
         )

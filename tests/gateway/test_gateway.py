@@ -85,9 +85,14 @@ async def test_streaming_async_relays_chunks_and_usage(svc: Stack) -> None:
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
     assert not chunks[-1].choices and all(ch.model == SMALL for ch in chunks)
+    # the engine's prefix-cache count, relayed (the fake engine reports it as vLLM does)
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
     # the same prompt without streaming says the same (the fake engine's text is seeded by it)
     whole = await c.chat.completions.create(model=SMALL, messages=messages, max_tokens=24)  # type: ignore[arg-type]
     assert "".join(texts) == whole.choices[0].message.content
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens is not None
     await c.close()
 
 
