@@ -137,6 +137,8 @@ def estimate_ttft_ms(
     hit_tokens: IntArray | None = None,
     shared_tokens: IntArray | None = None,
     block_tokens: FloatArray | None = None,
+    over_ms: FloatArray | None = None,
+    added_ms: float = 0.0,
 ) -> FloatArray:
     """TTFT (ms from now) of each new query if all are appended FCFS, in this order.
 
@@ -149,6 +151,15 @@ def estimate_ttft_ms(
     ``block_tokens[j]``, default 1), so query i, when admitted, also skips what of its
     shared prefixes the earlier queries have computed by then: the first query warms the
     cache for the next.
+
+    ``over_ms`` (optional, one bound per new query; ``inf``: no bound): for a caller that
+    only needs the first query, in order, whose TTFT + ``added_ms`` exceeds its bound. The
+    simulation stops as soon as that query is certain: every query before it is known to
+    meet its bound (or has none) and it is known to break it, or is still waiting at a time
+    already past it (its TTFT can only be later). That query's TTFT is then the time
+    reached (a lower bound, already over), the queries not reached are NaN, and every TTFT
+    returned is the one the full simulation gives. Without a query over its bound the
+    result is the full one.
     """
     prompts = _as_tokens("prompt_tokens", prompt_tokens, 0)
     k = int(prompts.size)
@@ -171,7 +182,12 @@ def estimate_ttft_ms(
     ids = np.arange(n0 + new_rows.size)
     warm = _Warming.of(n0, ok, hits, shared_tokens, block_tokens)
     t = float(start_delay_ms)
+    bound = None if over_ms is None else np.asarray(over_ms, dtype=np.float64)
+    if bound is not None and bound.shape != (k,):
+        raise ValueError(f"over_ms has shape {bound.shape}, prompt_tokens has {k} rows")
     while np.isnan(ttft).any():
+        if bound is not None and _first_over_certain(ttft, bound, t, added_ms):
+            break
         if warm is not None:
             warm.update(w, ids)
         seg = w.plan()
@@ -192,6 +208,22 @@ def estimate_ttft_ms(
             w.remove(done.finished)
             ids = np.delete(ids, done.finished)
     return ttft
+
+
+def _first_over_certain(ttft: FloatArray, bound: FloatArray, t: float, added_ms: float) -> bool:
+    """Whether the first query in order over its bound is certain at simulated time ``t``
+    (``estimate_ttft_ms``'s ``over_ms``); if it is still waiting, its TTFT is set to ``t``."""
+    # a query with no bound, or known to meet it, cannot be the first over
+    open_ = ~((ttft + added_ms <= bound) | (bound == np.inf))
+    if not open_.any():
+        return False
+    r = int(np.argmax(open_))
+    if not np.isnan(ttft[r]):
+        return True  # known, and over its bound
+    if t + added_ms > bound[r]:  # still waiting: its first token comes at t or later
+        ttft[r] = t
+        return True
+    return False
 
 
 @dataclass

@@ -38,6 +38,36 @@ _UNASSIGNED = -2
 _NEG = -np.inf
 
 
+_SHORT_ROW = 8  # numpy reduces a row shorter than this one element after the other
+
+
+def _row_max(z: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``z.max(axis=1)`` of an [n, k] array: for a few columns, the maxima of the columns
+    taken in turn (the same values; numpy's reduction along a short row costs ~10× more)."""
+    k = z.shape[1]
+    if k == 0 or k > 2 * _SHORT_ROW:
+        out: npt.NDArray[Any] = z.max(axis=1)
+        return out
+    out = z[:, 0].copy()
+    for j in range(1, k):
+        np.maximum(out, z[:, j], out=out)
+    return out
+
+
+def _row_sum(z: npt.NDArray[np.floating[Any]]) -> FloatArray:
+    """``z.sum(axis=1)`` of an [n, k] float64 array, bit for bit: numpy adds a row shorter
+    than ``_SHORT_ROW`` one element after the other, as the columns are added here (tested
+    against it), ~5× faster; longer rows are left to numpy."""
+    k = z.shape[1]
+    if k == 0 or k >= _SHORT_ROW or z.dtype != np.float64:
+        out: FloatArray = z.sum(axis=1, dtype=np.float64)
+        return out
+    out = z[:, 0].astype(np.float64)  # a float64 copy
+    for j in range(1, k):
+        out += z[:, j]
+    return out
+
+
 def _auction(
     s: FloatArray,
     defer_value: float,
@@ -167,7 +197,7 @@ def dual_bound(p: BatchProblem, mu: float, v: FloatArray) -> float:
     """D(μ, v): a valid upper bound on the window optimum for any μ >= 0, v >= 0."""
     v = np.maximum(v, 0.0)
     s = np.where(p.mask, p.a - mu * p.c, _NEG) - v
-    per_row = np.maximum(s.max(axis=1) if p.k else np.full(p.n, _NEG), -p.penalty)
+    per_row = np.maximum(_row_max(s) if p.k else np.full(p.n, _NEG), -p.penalty)
     budget_term = mu * p.budget_usd if mu > 0 else 0.0
     return float(budget_term + float(p.cap @ v) + per_row.sum())
 
@@ -382,11 +412,11 @@ class _Smoothed:
         else:
             zz = (self.a - mu * self.c - v) * (1.0 / t)
         d = -self.penalty / t
-        m = np.maximum(zz.max(axis=1).astype(np.float64), d)
+        m = np.maximum(_row_max(zz).astype(np.float64), d)
         zz -= m.astype(zz.dtype)[:, None]
         np.exp(zz, out=zz)
         ed = np.exp(d - m)
-        den = zz.sum(axis=1, dtype=np.float64) + ed
+        den = _row_sum(zz) + ed
         value = mu * self.budget + float(self.cap @ v) + t * float((m + np.log(den)).sum())
         zz *= (1.0 / den).astype(zz.dtype)[:, None]
         g = np.empty_like(z)

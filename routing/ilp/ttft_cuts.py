@@ -24,9 +24,38 @@ import numpy as np
 
 from routing.ilp.problem import BatchProblem, BoolArray, FloatArray, IntArray, Solution
 
-# check(column, rows in arrival order) -> TTFT ms of each row when appended in that order
-InOrderTtft = Callable[[int, IntArray], FloatArray]
+# check(column, rows in arrival order, bounds) -> TTFT ms of each row when appended in that
+# order; with bounds (one per row, inf: none) only the first row over its bound is needed:
+# the check may stop there (that row's TTFT a lower bound over it, the rows after it NaN;
+# ``routing.sfs.estimate_ttft_ms``'s ``over_ms``)
+InOrderTtft = Callable[[int, IntArray, FloatArray | None], FloatArray]
 Solver = Callable[[BatchProblem], Solution]
+
+
+class _Checks:
+    """The in-order checks of one window, each (column, rows, bounds) simulated once: a
+    column that keeps its rows from one round to the next is not simulated again."""
+
+    def __init__(self, in_order_ms: InOrderTtft) -> None:
+        self._run = in_order_ms
+        self._full: dict[tuple[int, bytes], FloatArray] = {}
+        self._first: dict[tuple[int, bytes, bytes], FloatArray] = {}
+
+    def __call__(self, k: int, rows: IntArray, over_ms: FloatArray | None) -> FloatArray:
+        key = (k, rows.tobytes())
+        full = self._full.get(key)
+        if full is not None:
+            return full
+        if over_ms is None:
+            full = self._full[key] = self._run(k, rows, None)
+            return full
+        key_first = (*key, over_ms.tobytes())
+        first = self._first.get(key_first)
+        if first is None:
+            first = self._first[key_first] = self._run(k, rows, over_ms)
+            if not np.isnan(first).any():  # nothing over: the simulation ran to the end
+                self._full[key] = first
+        return first
 
 
 @dataclass
@@ -67,6 +96,7 @@ def solve_with_ttft_cuts(
     flagged = flagged.copy()
     mask = problem.mask.copy()
     cap = problem.cap.copy()
+    check = _Checks(in_order_ms)
     sol = solver(problem)
     rounds = 0
     while True:
@@ -74,11 +104,19 @@ def solve_with_ttft_cuts(
         violating = np.zeros(n, dtype=np.bool_)
         first: list[tuple[int, int, int]] = []  # (column, row, position)
         x = sol.assignment
+        # before the last round a column's check needs only its first violator (a cut and
+        # another round follow); the last round's TTFTs and violators are all reported
+        last = rounds >= max_rounds
         for k in np.unique(x[x >= 0]).tolist():
             rows = np.flatnonzero(x == k)
             # one new query on a column: its in-order TTFT is its stand-alone TTFT
             # (SFS appends it after the residents either way), so skip a simulation
-            t = standalone_ms[rows, k] if rows.size == 1 else in_order_ms(k, rows)
+            if rows.size == 1:
+                t = standalone_ms[rows, k]
+            elif last or not checked_columns[k]:
+                t = check(k, rows, None)
+            else:
+                t = check(k, rows, np.where(flagged[rows], np.inf, slo_ms[rows]))
             ttft[rows] = t
             if not checked_columns[k]:
                 continue
@@ -98,7 +136,8 @@ def solve_with_ttft_cuts(
                 rows = rows[rows != i]
                 fits = pos
                 if rows.size:
-                    ok = (in_order_ms(k, rows) <= slo_ms[rows]) | flagged[rows]
+                    bound = np.where(flagged[rows], np.inf, slo_ms[rows])
+                    ok = (check(k, rows, bound) <= slo_ms[rows]) | flagged[rows]
                     fits = int(np.argmin(ok)) if not ok.all() else int(rows.size)
                 cap[k] = min(int(cap[k]), max(fits, pos, 1))
             else:

@@ -149,12 +149,13 @@ class BatchIlpRouter:
         still = np.zeros(win.n, dtype=np.bool_)
         if self.use_sfs:
 
-            def in_order(k: int, rows: IntArray) -> np.ndarray:
+            def in_order(k: int, rows: IntArray, over_ms: np.ndarray | None) -> np.ndarray:
                 return self.ctx.ttft_model.in_order_ms(
                     win.views[k],
                     win.prompt_tokens[rows],
                     win.output_tokens[rows, k],
                     win.column_prefix(k, rows),
+                    over_ms,
                 )
 
             res = solve_with_ttft_cuts(

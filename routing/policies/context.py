@@ -59,6 +59,11 @@ class TtftModel(Protocol):
     ``is_estimate``: True when the answer is the LPS average case (no live state).
     ``prefix``: the candidates' prefix-cache hits there (and, in order, what they share
     with each other); None: no prefix is cached.
+    ``over_ms`` (``in_order_ms``; one bound per candidate, ``inf``: none): the caller needs
+    only the first candidate in order whose TTFT exceeds its bound; a model may then stop
+    there (``routing.sfs.estimate_ttft_ms``), that candidate's TTFT a lower bound already
+    over it and the candidates after it NaN. Every TTFT it does return is the one it would
+    return without ``over_ms``; a model may also ignore it.
     """
 
     def standalone_ms(
@@ -75,6 +80,7 @@ class TtftModel(Protocol):
         prompt_tokens: IntArray,
         output_tokens: IntArray,
         prefix: ColumnPrefix | None = None,
+        over_ms: FloatArray | None = None,
     ) -> FloatArray: ...
 
     def is_estimate(self, view: InstanceView) -> bool: ...
@@ -202,14 +208,22 @@ class SfsTtft:
         prompt_tokens: IntArray,
         output_tokens: IntArray,
         prefix: ColumnPrefix | None = None,
+        over_ms: FloatArray | None = None,
     ) -> FloatArray:
         model = self._step(view)
         if view.state is None or view.stale or model is None:
             return self._never(view, prompt_tokens, self._lps(view, prompt_tokens, output_tokens))
-        from routing.sfs import estimate_ttft_ms
+        from routing.sfs import UNSERVABLE_MS, estimate_ttft_ms
 
         spec = self._spec(view)
         state, delay = self._now_state(view, view.state, model)
+        added = view.dispatch_ms if view.dispatch_ms > 0 else 0.0  # as ``_never`` adds it
+        if over_ms is not None:
+            # a prompt beyond the context is answered UNSERVABLE_MS by ``_never`` whatever SFS
+            # says: over its bound from the start (-inf), or never (inf)
+            beyond = prompt_tokens + 1 > spec.context_tokens()
+            never_over = np.where(UNSERVABLE_MS > over_ms, -np.inf, np.inf)
+            over_ms = np.where(beyond, never_over, over_ms)
         ttft = estimate_ttft_ms(
             state,
             prompt_tokens,
@@ -220,6 +234,8 @@ class SfsTtft:
             hit_tokens=None if prefix is None else prefix.hit_tokens,
             shared_tokens=None if prefix is None else prefix.shared_tokens,
             block_tokens=None if prefix is None else prefix.block_tokens,
+            over_ms=over_ms,
+            added_ms=added,
         )
         return self._never(view, prompt_tokens, ttft)
 

@@ -56,7 +56,12 @@ class QueueTtft:
         return self._backlog(view) + self.ms_per_token[view.model] * prompt.astype(float)
 
     def in_order_ms(
-        self, view: InstanceView, prompt: np.ndarray, out: np.ndarray, prefix: object = None
+        self,
+        view: InstanceView,
+        prompt: np.ndarray,
+        out: np.ndarray,
+        prefix: object = None,
+        over_ms: np.ndarray | None = None,
     ) -> np.ndarray:
         return self._backlog(view) + np.cumsum(self.ms_per_token[view.model] * prompt.astype(float))
 

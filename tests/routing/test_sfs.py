@@ -286,3 +286,61 @@ def test_standalone_answers_when_a_big_candidate_must_wait_for_kv_blocks() -> No
     assert got[1] == pytest.approx(estimate_ttft_ms(state, np.array([2417]), model, sched)[0])
     assert got[1] > got[0]
     assert got[2] == UNSERVABLE_MS  # more blocks than the whole cache
+
+
+def _first_over(ttft: np.ndarray, bound: np.ndarray, added: float) -> int:
+    bad = np.flatnonzero((ttft + added > bound) & (bound < np.inf))
+    return int(bad[0]) if bad.size else -1
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    residents,
+    st.lists(
+        st.tuples(st.integers(1, 3000), st.integers(1, 400), st.floats(5.0, 3000.0), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([0.0, 7.5]),
+    POLICIES,
+)
+def test_over_ms_stops_at_the_first_query_over_its_bound(rs, new, added, sched) -> None:  # type: ignore[no-untyped-def]
+    """With bounds, the simulation may stop early: the TTFTs it returns are the full
+    simulation's, the first query over its bound is the same one (its TTFT then a lower
+    bound already over it), and without one over it the answer is the full one."""
+    s = build(rs)
+    prompts = np.array([p for p, _, _, _ in new])
+    outs = np.array([o for _, o, _, _ in new])
+    bound = np.array([np.inf if free else b for _, _, b, free in new])
+    full = estimate_ttft_ms(s, prompts, M, sched, outs, start_delay_ms=3.0)
+    got = estimate_ttft_ms(
+        s, prompts, M, sched, outs, start_delay_ms=3.0, over_ms=bound, added_ms=added
+    )
+    first = _first_over(full, bound, added)
+    assert _first_over(got, bound, added) == first
+    if first < 0:
+        np.testing.assert_array_equal(got, full)
+        return
+    known = ~np.isnan(got)
+    known[first] = False
+    np.testing.assert_array_equal(got[known], full[known])
+    assert got[first] <= full[first]
+    # every query before the first over is answered (or has no bound)
+    before = np.arange(first)
+    assert (known[before] | (bound[before] == np.inf)).all()
+
+
+def test_over_ms_saves_the_queue_behind_a_violation() -> None:
+    """Four hundred short queries on a 256-seat instance: the 257th waits for a whole
+    batch; with a 2 s bound the simulation stops there and leaves the rest unanswered."""
+    sched = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)
+    prompts = np.full(400, 12)
+    outs = np.full(400, 256)
+    full = estimate_ttft_ms(InstanceState.empty(), prompts, M, sched, outs)
+    got = estimate_ttft_ms(
+        InstanceState.empty(), prompts, M, sched, outs, over_ms=np.full(400, 2000.0)
+    )
+    assert _first_over(full, np.full(400, 2000.0), 0.0) == 256
+    np.testing.assert_array_equal(got[:256], full[:256])
+    assert 2000.0 < got[256] <= full[256]
+    assert np.isnan(got[257:]).all()
