@@ -25,8 +25,18 @@ class RedisDedupe(RedisCore):
 
     def _dedupe_group(self, query_id: str) -> int:
         """Which script call of a window a query's dedupe entry goes in (validates the id)."""
-        bucket = dedupe_bucket(query_id)
-        return bucket if self._cluster else 0
+        return dedupe_bucket(query_id) if self._cluster else 0
+
+    def _entries_call(
+        self, keys: list[str], args: list[Any]
+    ) -> tuple[Sequence[str], Sequence[Any]]:
+        """One script call over these dedupe entries. On a Redis Cluster the keys are the
+        script's KEYS (one hash slot); on a single Redis they travel as one more argument,
+        joined by '\\n' (no key holds one: ``state.keys``), and KEYS is empty: redis-py
+        packs each argument in Python (~1 µs a key), a joined string once."""
+        if self._cluster:
+            return keys, args
+        return (), [*args, "\n".join(keys)]
 
     async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
         """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""
@@ -60,8 +70,8 @@ class RedisDedupe(RedisCore):
                 raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
             groups.setdefault(self._dedupe_group(qid), []).append(n)
         # the hashes in one argument (dedupe.lua): redis-py packs each argument in Python
-        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
-            (
+        calls = [
+            self._entries_call(
                 [self.keys.dedupe(items[n][0]) for n in rows],
                 [ttl_ms, "\n".join([items[n][1] for n in rows])],
             )
@@ -83,8 +93,10 @@ class RedisDedupe(RedisCore):
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, iid in routed.items():
             groups.setdefault(self._dedupe_group(qid), []).append((qid, iid))
-        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
-            ([self.keys.dedupe(q) for q, _ in rows], ["\n".join([i for _, i in rows])])
+        calls = [
+            self._entries_call(
+                [self.keys.dedupe(q) for q, _ in rows], ["\n".join([i for _, i in rows])]
+            )
             for rows in groups.values()
         ]
         return sum(int(r) for r in await self._script_many("mark_routed", calls))
@@ -124,7 +136,9 @@ class RedisDedupe(RedisCore):
             args = [_SEP.join([p for _, p, _ in group])]
             if any(f for _, _, f in group):
                 args.append("\n".join([f for _, _, f in group]))
-            calls.append(([self.keys.dedupe(q) for q, _, _ in group], args))
+            elif not self._cluster:
+                args.append("")  # the keys' argument comes third
+            calls.append(self._entries_call([self.keys.dedupe(q) for q, _, _ in group], args))
         replies = await self._script_many("mark_intent", calls)
         return {
             qid: holder.decode() if isinstance(holder, bytes) else str(holder)
