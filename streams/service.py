@@ -81,6 +81,7 @@ from schemas import (
     parse_query,
     routed_query_bytes,
 )
+from schemas.messages import decision_stamped_bytes
 from state.prefix import PrefixTouch, touch_of
 from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
@@ -876,28 +877,34 @@ class RouterService:
         (``Decision.predicted_cached_tokens``, which the worker reconciles with the engine)."""
         intents: dict[str, RouteIntent] = {}
         counted: list[tuple[Decision, Query]] = []
-        windows: dict[int, bytes] = {}  # each WindowStats' JSON, once (schemas.decision_bytes)
+        windows: dict[Any, bytes] = {}  # what the window's decisions share, serialised once
         route_topics: dict[str, str] = {}  # instance id -> its checked topic name, once
         outs, marks, inputs = out.outs, out.routed_marks, out.routed_inputs
         decisions_topic = topics.DECISIONS
         for p, d in routed:
             q = p.query
             qid = q.id
-            update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
-            if cached and qid in cached:
-                update["predicted_cached_tokens"] = cached[qid]
-            if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
-                update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
-            if p.rerouted_from is not None:
-                update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
-                why = f"re-routed from silent instance {p.rerouted_from}"
-                update["reason"] = f"{why}; {d.reason}" if d.reason else why
-            d = decision_with(d, update)
+            pid = period_ids.get(q.tenant)
+            tokens = cached.get(qid) if cached else None
+            if p.rerouted_from is None and not (blind and DecisionFlag.BUDGET_BLIND not in d.flags):
+                # the usual case: stamped while written, no copy (the same bytes, tested)
+                dec_json = decision_stamped_bytes(d, now, pid, tokens, windows)
+            else:
+                update: dict[str, Any] = {"budget_period": pid, "decided_at": now}
+                if tokens is not None:
+                    update["predicted_cached_tokens"] = tokens
+                if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
+                    update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
+                if p.rerouted_from is not None:
+                    update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
+                    why = f"re-routed from silent instance {p.rerouted_from}"
+                    update["reason"] = f"{why}; {d.reason}" if d.reason else why
+                d = decision_with(d, update)
+                dec_json = decision_bytes(d, windows)
             instance_id = str(d.instance_id)
             topic = route_topics.get(instance_id)
             if topic is None:
                 topic = route_topics[instance_id] = topics.route(instance_id)
-            dec_json = decision_bytes(d, windows)
             key = qid.encode()
             outs.append((topic, key, routed_query_bytes(p.raw, dec_json)))
             outs.append((decisions_topic, key, dec_json))
