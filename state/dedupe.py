@@ -64,10 +64,19 @@ class RedisDedupe(RedisCore):
         if not items:
             return []
         ttl_ms = _seconds_ms(ttl_s, "dedupe ttl_s")
-        groups: dict[int, list[int]] = {}
-        for n, (qid, sha) in enumerate(items):
+        for qid, sha in items:
             if not isinstance(sha, str) or not sha or len(sha) > 128 or "\n" in sha:
                 raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
+        if not self._cluster:  # one call, no grouping: the keys and hashes as two arguments
+            key = self.keys.dedupe
+            keys = "\n".join([key(q) for q, _ in items])
+            (reply,) = await self._script_many(
+                "dedupe", [((), [ttl_ms, "\n".join([sha for _, sha in items]), keys])]
+            )
+            it = iter(reply)
+            return [(cast(Verdict, str(v)), str(r) or None) for v, r in zip(it, it, strict=True)]
+        groups: dict[int, list[int]] = {}
+        for n, (qid, _) in enumerate(items):
             groups.setdefault(self._dedupe_group(qid), []).append(n)
         # the hashes in one argument (dedupe.lua): redis-py packs each argument in Python
         calls = [
