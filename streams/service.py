@@ -581,14 +581,15 @@ class RouterService:
         outs, outcome = out.outs, out.outcome
         valid: list[Pending] = []
         seen: set[str] = set()
+        limits, budgets, sha256 = self.config.limits, self._budgets, hashlib.sha256
         for it in items:
             if it.undecodable is not None:  # wiring.kafka_records: never a crash loop
                 self._dead_letter(outs, it, it.undecodable, "decode", now)
                 outcome.dead_letters += 1
                 continue
             try:
-                query = parse_query(it.raw, self.config.limits)
-                if self._budgets and query.tenant not in self._budgets:
+                query = parse_query(it.raw, limits)
+                if budgets and query.tenant not in budgets:
                     raise BadMessage(
                         f"query {query.id}: unknown tenant {query.tenant!r}; "
                         f"known tenants: {sorted(self._budgets)}"
@@ -610,7 +611,7 @@ class RouterService:
                 continue
             seen.add(query.id)
             raw = bytes(it.raw or b"")
-            valid.append(Pending(query, raw, it, now, sha=hashlib.sha256(raw).hexdigest()))
+            valid.append(Pending(query, raw, it, now, sha=sha256(raw).hexdigest()))
         return valid
 
     def _resend(self, p: Pending, intent: RouteIntent, out: WindowOutput) -> None:
@@ -814,6 +815,7 @@ class RouterService:
     async def _reserve_budget(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
         """Each tenant's worst-case spend, one atomic call per tenant with a budget."""
         lost: dict[int, Lost] = {}
+        model_of = {i.id: self.cluster.model_of(i.id) for i in self.cluster.instances}
         by_tenant: dict[str, list[_Placed]] = {}
         for t in placed:
             by_tenant.setdefault(t[1].query.tenant, []).append(t)
@@ -823,8 +825,7 @@ class RouterService:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
             amounts = {
-                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for _, p, d in group
+                p.query.id: model_of[str(d.instance_id)].max_cost_usd(p.query) for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
