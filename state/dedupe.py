@@ -99,6 +99,10 @@ class RedisDedupe(RedisCore):
             return 0
         for iid in set(routed.values()):
             self.keys.check_instance_id(iid)  # once per instance, not once per query
+        if not self._cluster:  # one call, no grouping
+            key = self.keys.dedupe
+            args = ["\n".join(routed.values()), "\n".join([key(q) for q in routed])]
+            return sum(int(r) for r in await self._script_many("mark_routed", [((), args)]))
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, iid in routed.items():
             groups.setdefault(self._dedupe_group(qid), []).append((qid, iid))
@@ -129,6 +133,8 @@ class RedisDedupe(RedisCore):
             return {}
         for iid in {i.instance_id for i in intents.values()}:
             self.keys.check_instance_id(iid)  # once per instance, not once per query
+        if not self._cluster:
+            return await self._mark_intents_one_call(intents)
         groups: dict[int, list[tuple[str, str, str]]] = {}
         for qid, intent in intents.items():
             if _SEP in intent.decision_json:  # never in JSON (a control character is escaped)
@@ -153,6 +159,29 @@ class RedisDedupe(RedisCore):
             qid: holder.decode() if isinstance(holder, bytes) else str(holder)
             for group, got in zip(rows, replies, strict=True)
             for (qid, _, _), holder in zip(group, got, strict=True)
+            if not isinstance(holder, int)
+        }
+
+    async def _mark_intents_one_call(self, intents: Mapping[str, RouteIntent]) -> dict[str, str]:
+        """``mark_intent_many`` on a single Redis: the window's intents, re-routed-from
+        instances and keys as three arguments of one call, each joined once."""
+        joined = _SEP.join([f"{i.instance_id}\n{i.decision_json}" for i in intents.values()])
+        if joined.count(_SEP) != len(intents) - 1:  # never in JSON (control characters escaped)
+            bad = next(q for q, i in intents.items() if _SEP in i.decision_json)
+            raise ValueError(f"query {bad}: decision JSON holds a raw 0x1e byte")
+        froms = [i.rerouted_from or "" for i in intents.values()]
+        for f in set(froms) - {""}:
+            self.keys.check_instance_id(f)
+        key = self.keys.dedupe
+        args = [
+            joined,
+            "\n".join(froms) if any(froms) else "",
+            "\n".join([key(q) for q in intents]),
+        ]
+        (reply,) = await self._script_many("mark_intent", [((), args)])
+        return {
+            qid: holder.decode() if isinstance(holder, bytes) else str(holder)
+            for qid, holder in zip(intents, reply, strict=True)
             if not isinstance(holder, int)
         }
 
