@@ -77,27 +77,25 @@ class BatchSink:
         return parts
 
     async def send_all(self, outs: list[tuple[str, bytes, bytes]]) -> None:
-        # each message appended to its partition's open batch as it comes (no grouping
-        # first: a window is thousands of messages); a full batch is handed over at once
-        batches: dict[tuple[str, int], Any] = {}
-        known, create = self._partitions, self.producer.create_batch
-        futures = []
+        groups: dict[tuple[str, int], list[tuple[bytes, bytes]]] = {}
+        known = self._partitions
         for topic, key, value in outs:
             parts = known.get(topic)
             if parts is None:  # a topic's first message only: no await per message
                 parts = await self._parts(topic)
-            tp = (topic, parts[zlib.crc32(key) % len(parts)])
-            batch = batches.get(tp)
-            if batch is None:
-                batch = batches[tp] = create()
-            if batch.append(key=key, value=value, timestamp=None) is None:  # batch full
-                futures.append(await self.producer.send_batch(batch, topic, partition=tp[1]))
-                batch = batches[tp] = create()
-                if batch.append(key=key, value=value, timestamp=None) is None:
-                    raise ValueError(
-                        f"a message for {topic} is larger than the producer's batch size"
-                    )
-        for (topic, part), batch in batches.items():
+            part = parts[zlib.crc32(key) % len(parts)]
+            groups.setdefault((topic, part), []).append((key, value))
+        futures = []
+        for (topic, part), msgs in groups.items():
+            batch = self.producer.create_batch()
+            for key, value in msgs:
+                if batch.append(key=key, value=value, timestamp=None) is None:  # batch full
+                    futures.append(await self.producer.send_batch(batch, topic, partition=part))
+                    batch = self.producer.create_batch()
+                    if batch.append(key=key, value=value, timestamp=None) is None:
+                        raise ValueError(
+                            f"a message for {topic} is larger than the producer's batch size"
+                        )
             futures.append(await self.producer.send_batch(batch, topic, partition=part))
         await asyncio.gather(*futures)
 
