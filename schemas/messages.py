@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import to_json
 
 from schemas.query import Query, QueryId
 
@@ -156,6 +157,49 @@ def decision_bytes(d: Decision, windows: dict[int, bytes]) -> bytes:
     # pydantic's serializer itself: bytes, as ``model_dump_json`` would encode them
     head = _DECISION_JSON(d, exclude_none=True, exclude=_NO_WINDOW)
     return head[:-1] + _WINDOW_FIELD + window + b"}"
+
+
+# the fields the router stamps on a routed decision, with the two after them: the last five
+# of ``Decision`` in declaration order, which its JSON keeps (held by tests/schemas)
+_STAMPED = {"predicted_cached_tokens", "decided_at", "budget_period", "reason", "window"}
+
+
+def decision_stamped_bytes(
+    d: Decision,
+    decided_at: float,
+    budget_period: str | None,
+    cached_tokens: int | None,
+    memo: dict[Any, bytes],
+) -> bytes:
+    """``decision_bytes(decision_with(d, update), memo)`` for the update the router stamps
+    on a routed decision (``decided_at``, ``budget_period`` and, when not None,
+    ``predicted_cached_tokens``), without copying ``d``: pydantic's JSON of the fields
+    before the stamped ones, then the last five written in their order, each value by
+    pydantic's own encoder. ``memo`` keeps what a window shares (its ``decided_at`` with a
+    period, its ``WindowStats``), as ``decision_bytes``'s ``windows``."""
+    head = _DECISION_JSON(d, exclude_none=True, exclude=_STAMPED)
+    parts = [head[:-1]]
+    cached = d.predicted_cached_tokens if cached_tokens is None else cached_tokens
+    if cached is not None:
+        parts.append(b',"predicted_cached_tokens":' + to_json(cached))
+    key = ("stamp", decided_at, budget_period)
+    stamp = memo.get(key)
+    if stamp is None:
+        stamp = b',"decided_at":' + to_json(decided_at)
+        if budget_period is not None:
+            stamp += b',"budget_period":' + to_json(budget_period)
+        memo[key] = stamp
+    parts.append(stamp)
+    if d.reason is not None:
+        parts.append(b',"reason":' + to_json(d.reason))
+    if d.window is not None:
+        wkey = id(d.window)
+        window = memo.get(wkey)
+        if window is None:
+            window = memo[wkey] = d.window.model_dump_json(exclude_none=True).encode()
+        parts.append(_WINDOW_FIELD + window)
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 def routed_query_bytes(raw_query: bytes, decision_json: bytes) -> bytes:

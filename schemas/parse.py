@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -145,7 +145,17 @@ def _fast_query(raw: bytes | None, limits: Limits) -> Query | None:
         return None
     if raw.count(b"{") + raw.count(b"[") + 1 > limits.max_json_depth:
         return None
+    context = _CONTEXTS.get(limits.max_prompt_bytes)
+    if context is None:
+        context = _CONTEXTS.setdefault(
+            limits.max_prompt_bytes, {"max_prompt_bytes": limits.max_prompt_bytes}
+        )
     try:
-        return Query.model_validate_json(raw, context={"max_prompt_bytes": limits.max_prompt_bytes})
+        # ``Query.model_validate_json`` without its wrapper (keyword checks: ~0.4 µs a query)
+        return cast(Query, _QUERY_JSON(raw, context=context))
     except (ValidationError, ValueError, RecursionError, OverflowError):
         return None
+
+
+_QUERY_JSON = Query.__pydantic_validator__.validate_json
+_CONTEXTS: dict[int, dict[str, int]] = {}  # max_prompt_bytes -> the validation context, once

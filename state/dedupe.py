@@ -25,8 +25,18 @@ class RedisDedupe(RedisCore):
 
     def _dedupe_group(self, query_id: str) -> int:
         """Which script call of a window a query's dedupe entry goes in (validates the id)."""
-        bucket = dedupe_bucket(query_id)
-        return bucket if self._cluster else 0
+        return dedupe_bucket(query_id) if self._cluster else 0
+
+    def _entries_call(
+        self, keys: list[str], args: list[Any]
+    ) -> tuple[Sequence[str], Sequence[Any]]:
+        """One script call over these dedupe entries. On a Redis Cluster the keys are the
+        script's KEYS (one hash slot); on a single Redis they travel as one more argument,
+        joined by '\\n' (no key holds one: ``state.keys``), and KEYS is empty: redis-py
+        packs each argument in Python (~1 µs a key), a joined string once."""
+        if self._cluster:
+            return keys, args
+        return (), [*args, "\n".join(keys)]
 
     async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
         """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""
@@ -54,14 +64,23 @@ class RedisDedupe(RedisCore):
         if not items:
             return []
         ttl_ms = _seconds_ms(ttl_s, "dedupe ttl_s")
-        groups: dict[int, list[int]] = {}
-        for n, (qid, sha) in enumerate(items):
+        for qid, sha in items:
             if not isinstance(sha, str) or not sha or len(sha) > 128 or "\n" in sha:
                 raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
+        if not self._cluster:  # one call, no grouping: the keys and hashes as two arguments
+            key = self.keys.dedupe
+            keys = "\n".join([key(q) for q, _ in items])
+            (reply,) = await self._script_many(
+                "dedupe", [((), [ttl_ms, "\n".join([sha for _, sha in items]), keys])]
+            )
+            it = iter(reply)
+            return [(cast(Verdict, str(v)), str(r) or None) for v, r in zip(it, it, strict=True)]
+        groups: dict[int, list[int]] = {}
+        for n, (qid, _) in enumerate(items):
             groups.setdefault(self._dedupe_group(qid), []).append(n)
         # the hashes in one argument (dedupe.lua): redis-py packs each argument in Python
-        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
-            (
+        calls = [
+            self._entries_call(
                 [self.keys.dedupe(items[n][0]) for n in rows],
                 [ttl_ms, "\n".join([items[n][1] for n in rows])],
             )
@@ -80,11 +99,17 @@ class RedisDedupe(RedisCore):
             return 0
         for iid in set(routed.values()):
             self.keys.check_instance_id(iid)  # once per instance, not once per query
+        if not self._cluster:  # one call, no grouping
+            key = self.keys.dedupe
+            args = ["\n".join(routed.values()), "\n".join([key(q) for q in routed])]
+            return sum(int(r) for r in await self._script_many("mark_routed", [((), args)]))
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, iid in routed.items():
             groups.setdefault(self._dedupe_group(qid), []).append((qid, iid))
-        calls: list[tuple[Sequence[str], Sequence[Any]]] = [
-            ([self.keys.dedupe(q) for q, _ in rows], ["\n".join([i for _, i in rows])])
+        calls = [
+            self._entries_call(
+                [self.keys.dedupe(q) for q, _ in rows], ["\n".join([i for _, i in rows])]
+            )
             for rows in groups.values()
         ]
         return sum(int(r) for r in await self._script_many("mark_routed", calls))
@@ -108,6 +133,8 @@ class RedisDedupe(RedisCore):
             return {}
         for iid in {i.instance_id for i in intents.values()}:
             self.keys.check_instance_id(iid)  # once per instance, not once per query
+        if not self._cluster:
+            return await self._mark_intents_one_call(intents)
         groups: dict[int, list[tuple[str, str, str]]] = {}
         for qid, intent in intents.items():
             if _SEP in intent.decision_json:  # never in JSON (a control character is escaped)
@@ -124,12 +151,37 @@ class RedisDedupe(RedisCore):
             args = [_SEP.join([p for _, p, _ in group])]
             if any(f for _, _, f in group):
                 args.append("\n".join([f for _, _, f in group]))
-            calls.append(([self.keys.dedupe(q) for q, _, _ in group], args))
+            elif not self._cluster:
+                args.append("")  # the keys' argument comes third
+            calls.append(self._entries_call([self.keys.dedupe(q) for q, _, _ in group], args))
         replies = await self._script_many("mark_intent", calls)
         return {
             qid: holder.decode() if isinstance(holder, bytes) else str(holder)
             for group, got in zip(rows, replies, strict=True)
             for (qid, _, _), holder in zip(group, got, strict=True)
+            if not isinstance(holder, int)
+        }
+
+    async def _mark_intents_one_call(self, intents: Mapping[str, RouteIntent]) -> dict[str, str]:
+        """``mark_intent_many`` on a single Redis: the window's intents, re-routed-from
+        instances and keys as three arguments of one call, each joined once."""
+        joined = _SEP.join([f"{i.instance_id}\n{i.decision_json}" for i in intents.values()])
+        if joined.count(_SEP) != len(intents) - 1:  # never in JSON (control characters escaped)
+            bad = next(q for q, i in intents.items() if _SEP in i.decision_json)
+            raise ValueError(f"query {bad}: decision JSON holds a raw 0x1e byte")
+        froms = [i.rerouted_from or "" for i in intents.values()]
+        for f in set(froms) - {""}:
+            self.keys.check_instance_id(f)
+        key = self.keys.dedupe
+        args = [
+            joined,
+            "\n".join(froms) if any(froms) else "",
+            "\n".join([key(q) for q in intents]),
+        ]
+        (reply,) = await self._script_many("mark_intent", [((), args)])
+        return {
+            qid: holder.decode() if isinstance(holder, bytes) else str(holder)
+            for qid, holder in zip(intents, reply, strict=True)
             if not isinstance(holder, int)
         }
 

@@ -88,6 +88,13 @@ def _checked_query_id(query_id: str) -> str:
     return _check(_QUERY, query_id, "query id")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _dedupe_key(namespace: str, query_id: str) -> str:
+    """A query's dedupe key, memoised: a router names it three times per routed query
+    (dedupe, intent, routed mark)."""
+    return f"{namespace}:dedupe:{{d{dedupe_bucket(query_id):02d}}}:{query_id}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """Builds every key; validates ids so a key can never carry a stray hash tag."""
@@ -148,7 +155,7 @@ class Keys:
 
     # per query
     def dedupe(self, query_id: str) -> str:
-        return f"{self.namespace}:dedupe:{{d{dedupe_bucket(query_id):02d}}}:{query_id}"
+        return _dedupe_key(self.namespace, query_id)
 
     def result(self, query_id: str) -> str:
         return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"

@@ -154,14 +154,14 @@ def period_bounds(period: str) -> tuple[float, float] | None:
 def usd_to_nano(usd: float, what: str, query_id: str = "", *, round_up: bool = True) -> int:
     """USD → integer nano-USD; reservations round up so rounding never lets spend through.
     ``what`` (of ``query_id`` when given) names the amount in an error."""
-    if query_id:
-        what = f"query {query_id}: {what}"
-    if not isinstance(usd, int | float) or not math.isfinite(usd) or usd < 0:
+    if not isinstance(usd, (int, float)) or not math.isfinite(usd) or usd < 0:
+        what = f"query {query_id}: {what}" if query_id else what
         raise ValueError(f"{what} must be a finite number >= 0 USD, got {usd!r}")
     scaled = usd * NANO_PER_USD
     nano = math.ceil(scaled - 1e-6) if round_up else math.floor(scaled + 1e-6)
     nano = max(0, nano)
     if nano > MAX_LEDGER_NANO:
+        what = f"query {query_id}: {what}" if query_id else what
         raise ValueError(
             f"{what} = {usd} USD is over the ledger's cap of {MAX_LEDGER_NANO / NANO_PER_USD:.0f} USD"
         )

@@ -81,6 +81,7 @@ from schemas import (
     parse_query,
     routed_query_bytes,
 )
+from schemas.messages import decision_stamped_bytes
 from state.prefix import PrefixTouch, touch_of
 from state.protocols import RouterState
 from state.store import RouteIntent, StateUnavailable
@@ -580,14 +581,15 @@ class RouterService:
         outs, outcome = out.outs, out.outcome
         valid: list[Pending] = []
         seen: set[str] = set()
+        limits, budgets, sha256 = self.config.limits, self._budgets, hashlib.sha256
         for it in items:
             if it.undecodable is not None:  # wiring.kafka_records: never a crash loop
                 self._dead_letter(outs, it, it.undecodable, "decode", now)
                 outcome.dead_letters += 1
                 continue
             try:
-                query = parse_query(it.raw, self.config.limits)
-                if self._budgets and query.tenant not in self._budgets:
+                query = parse_query(it.raw, limits)
+                if budgets and query.tenant not in budgets:
                     raise BadMessage(
                         f"query {query.id}: unknown tenant {query.tenant!r}; "
                         f"known tenants: {sorted(self._budgets)}"
@@ -609,7 +611,7 @@ class RouterService:
                 continue
             seen.add(query.id)
             raw = bytes(it.raw or b"")
-            valid.append(Pending(query, raw, it, now, sha=hashlib.sha256(raw).hexdigest()))
+            valid.append(Pending(query, raw, it, now, sha=sha256(raw).hexdigest()))
         return valid
 
     def _resend(self, p: Pending, intent: RouteIntent, out: WindowOutput) -> None:
@@ -813,6 +815,7 @@ class RouterService:
     async def _reserve_budget(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
         """Each tenant's worst-case spend, one atomic call per tenant with a budget."""
         lost: dict[int, Lost] = {}
+        model_of = {i.id: self.cluster.model_of(i.id) for i in self.cluster.instances}
         by_tenant: dict[str, list[_Placed]] = {}
         for t in placed:
             by_tenant.setdefault(t[1].query.tenant, []).append(t)
@@ -822,8 +825,7 @@ class RouterService:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
             amounts = {
-                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for _, p, d in group
+                p.query.id: model_of[str(d.instance_id)].max_cost_usd(p.query) for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
@@ -876,28 +878,34 @@ class RouterService:
         (``Decision.predicted_cached_tokens``, which the worker reconciles with the engine)."""
         intents: dict[str, RouteIntent] = {}
         counted: list[tuple[Decision, Query]] = []
-        windows: dict[int, bytes] = {}  # each WindowStats' JSON, once (schemas.decision_bytes)
+        windows: dict[Any, bytes] = {}  # what the window's decisions share, serialised once
         route_topics: dict[str, str] = {}  # instance id -> its checked topic name, once
         outs, marks, inputs = out.outs, out.routed_marks, out.routed_inputs
         decisions_topic = topics.DECISIONS
         for p, d in routed:
             q = p.query
             qid = q.id
-            update: dict[str, Any] = {"budget_period": period_ids.get(q.tenant), "decided_at": now}
-            if cached and qid in cached:
-                update["predicted_cached_tokens"] = cached[qid]
-            if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
-                update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
-            if p.rerouted_from is not None:
-                update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
-                why = f"re-routed from silent instance {p.rerouted_from}"
-                update["reason"] = f"{why}; {d.reason}" if d.reason else why
-            d = decision_with(d, update)
+            pid = period_ids.get(q.tenant)
+            tokens = cached.get(qid) if cached else None
+            if p.rerouted_from is None and not (blind and DecisionFlag.BUDGET_BLIND not in d.flags):
+                # the usual case: stamped while written, no copy (the same bytes, tested)
+                dec_json = decision_stamped_bytes(d, now, pid, tokens, windows)
+            else:
+                update: dict[str, Any] = {"budget_period": pid, "decided_at": now}
+                if tokens is not None:
+                    update["predicted_cached_tokens"] = tokens
+                if blind and DecisionFlag.BUDGET_BLIND not in d.flags:
+                    update["flags"] = [*d.flags, DecisionFlag.BUDGET_BLIND]
+                if p.rerouted_from is not None:
+                    update["flags"] = [*update.get("flags", d.flags), DecisionFlag.REROUTED]
+                    why = f"re-routed from silent instance {p.rerouted_from}"
+                    update["reason"] = f"{why}; {d.reason}" if d.reason else why
+                d = decision_with(d, update)
+                dec_json = decision_bytes(d, windows)
             instance_id = str(d.instance_id)
             topic = route_topics.get(instance_id)
             if topic is None:
                 topic = route_topics[instance_id] = topics.route(instance_id)
-            dec_json = decision_bytes(d, windows)
             key = qid.encode()
             outs.append((topic, key, routed_query_bytes(p.raw, dec_json)))
             outs.append((decisions_topic, key, dec_json))

@@ -5,11 +5,29 @@
 -- ARGV[2] the body sha256 of each query, in the order of KEYS, joined by '\n' (one argument,
 -- not one per query: the client packs each argument in Python)
 -- Returns {verdict_1, routed_1, verdict_2, routed_2, ...} (routed '' when not routed yet).
+-- On a single Redis KEYS is empty and the keys come in ARGV[3], joined by '\n' (the
+-- client packs one argument once, not each key); on a Redis Cluster they are KEYS.
+local keys = KEYS
+if #KEYS == 0 then
+  local all, at = ARGV[3] or '', 1
+  if all == '' then
+    return redis.error_reply('dedupe: no keys')
+  end
+  keys = {}
+  while true do
+    local stop = string.find(all, '\n', at, true)
+    keys[#keys + 1] = string.sub(all, at, (stop or 0) - 1)
+    if not stop then
+      break
+    end
+    at = stop + 1
+  end
+end
 local shas, pos = ARGV[2], 1
 local out = {}
-for i, key in ipairs(KEYS) do
+for i, key in ipairs(keys) do
   local stop = string.find(shas, '\n', pos, true)
-  if (stop == nil) ~= (i == #KEYS) then
+  if (stop == nil) ~= (i == #keys) then
     return redis.error_reply('dedupe: ARGV[2] must hold one body hash per key')
   end
   local want = string.sub(shas, pos, (stop or 0) - 1)

@@ -16,11 +16,29 @@
 -- Returns one entry per key: 1 recorded (or already this very intent), 0 no dedupe entry,
 -- or the instance id the query is taken by (routed to, or intended for by another router).
 -- A dedupe entry is a hash of sha, routed and intent only: it exists iff one of them does.
-local n = #KEYS
+-- On a single Redis KEYS is empty and the keys come in ARGV[3], joined by '\n' (the
+-- client packs one argument once, not each key); on a Redis Cluster they are KEYS.
+local keys = KEYS
+if #KEYS == 0 then
+  local all, at = ARGV[3] or '', 1
+  if all == '' then
+    return redis.error_reply('mark_intent: no keys')
+  end
+  keys = {}
+  while true do
+    local stop = string.find(all, '\n', at, true)
+    keys[#keys + 1] = string.sub(all, at, (stop or 0) - 1)
+    if not stop then
+      break
+    end
+    at = stop + 1
+  end
+end
+local n = #keys
 local intents, froms = ARGV[1], ARGV[2] or ''
 local ipos, fpos = 1, 1
 local out = {}
-for i, key in ipairs(KEYS) do
+for i, key in ipairs(keys) do
   local istop = string.find(intents, '\30', ipos, true)
   if (istop == nil) ~= (i == n) then
     return redis.error_reply('mark_intent: ARGV[1] must hold one intent per key')

@@ -4,11 +4,29 @@
 -- KEYS[i] dedupe hash of query i (on a Redis Cluster all KEYS share one hash tag)
 -- ARGV[1] the instance id of each query, in the order of KEYS, joined by '\n'
 -- Returns how many entries were marked.
+-- On a single Redis KEYS is empty and the keys come in ARGV[2], joined by '\n' (the
+-- client packs one argument once, not each key); on a Redis Cluster they are KEYS.
+local keys = KEYS
+if #KEYS == 0 then
+  local all, at = ARGV[2] or '', 1
+  if all == '' then
+    return redis.error_reply('mark_routed: no keys')
+  end
+  keys = {}
+  while true do
+    local stop = string.find(all, '\n', at, true)
+    keys[#keys + 1] = string.sub(all, at, (stop or 0) - 1)
+    if not stop then
+      break
+    end
+    at = stop + 1
+  end
+end
 local ids, pos = ARGV[1], 1
 local n = 0
-for i, key in ipairs(KEYS) do
+for i, key in ipairs(keys) do
   local stop = string.find(ids, '\n', pos, true)
-  if (stop == nil) ~= (i == #KEYS) then
+  if (stop == nil) ~= (i == #keys) then
     return redis.error_reply('mark_routed: ARGV[1] must hold one instance id per key')
   end
   local instance = string.sub(ids, pos, (stop or 0) - 1)

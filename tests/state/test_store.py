@@ -487,15 +487,16 @@ async def test_one_node_takes_a_window_of_dedupe_entries_in_one_call(
     stores: list[StateStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a single Redis, dedupe, route intents and routed marks are one script call per
-    window (the entries span all 64 dedupe buckets), with the same answers as per bucket."""
+    window (the entries span all 64 dedupe buckets), with the same answers as per bucket,
+    and the keys travel as one argument joined by newlines (KEYS is empty)."""
     s = stores[0]
     if s._cluster:  # make test-cluster: one call per bucket there (the test above)
         pytest.skip("a Redis Cluster takes one script call per dedupe bucket")
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, int, int]] = []
     orig_many = s._script_many
 
     async def many(name: str, batch: Any, extra: Any = ()) -> Any:
-        calls.extend((name, len(keys)) for keys, _ in batch)
+        calls.extend((name, len(keys), len(str(args[-1]).split("\n"))) for keys, args in batch)
         return await orig_many(name, batch, extra)
 
     monkeypatch.setattr(s, "_script_many", many)
@@ -510,7 +511,7 @@ async def test_one_node_takes_a_window_of_dedupe_entries_in_one_call(
     intents["w277"] = RouteIntent("gpu-9", decision, "gpu-1")  # re-routed: its own argument
     assert await s.mark_intent_many(intents) == {}
     assert await s.mark_routed_many({q: f"gpu-{i % 3}" for i, q in enumerate(ids[:200])}) == 200
-    assert calls == [("dedupe", 302), ("mark_intent", 300), ("mark_routed", 200)]
+    assert calls == [("dedupe", 0, 302), ("mark_intent", 0, 300), ("mark_routed", 0, 200)]
     again = await stores[1].dedupe_many([(q, sha[q]) for q in ids], 60)
     assert again[:200] == [("duplicate", f"gpu-{i % 3}") for i in range(200)]
     assert again[200:] == [("duplicate", None)] * 100
