@@ -120,6 +120,10 @@ _DECISION_TEMPLATE: dict[str, Any] = {
     for name, f in Decision.model_fields.items()
 }
 _DECISION_REQUIRED = frozenset(n for n, f in Decision.model_fields.items() if f.is_required())
+# fields whose default is made per object (``flags``: a fresh list each)
+_DECISION_FACTORIES = {
+    n: f.default_factory for n, f in Decision.model_fields.items() if f.default_factory is not None
+}
 
 
 def decision_trusted(values: dict[str, Any]) -> Decision:
@@ -134,8 +138,9 @@ def decision_trusted(values: dict[str, Any]) -> Decision:
         raise ValueError(f"Decision fields missing: {sorted(_DECISION_REQUIRED - values.keys())}")
     d = _new_object(Decision)
     full = {**_DECISION_TEMPLATE, **values}
-    if "flags" not in values:
-        full["flags"] = []
+    for name, factory in _DECISION_FACTORIES.items():
+        if name not in values:
+            full[name] = factory()  # type: ignore[call-arg]
     _set(d, "__dict__", full)
     _set(d, "__pydantic_fields_set__", set(values))
     _set(d, "__pydantic_extra__", None)
