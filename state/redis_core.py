@@ -68,6 +68,21 @@ SCRIPTS = (
 )
 
 
+_INCLUDE = "--! include "
+
+
+def script_text(name: str) -> str:
+    """The Lua of ``state/lua/<name>.lua``, each ``--! include FILE`` line replaced by that
+    file of ``state/lua`` (code the window scripts share: ``_window_keys.lua``)."""
+    lua = resources.files("state").joinpath("lua")
+    out = []
+    for line in lua.joinpath(f"{name}.lua").read_text(encoding="utf-8").splitlines(True):
+        if line.startswith(_INCLUDE):
+            line = lua.joinpath(line.removeprefix(_INCLUDE).strip()).read_text(encoding="utf-8")
+        out.append(line)
+    return "".join(out)
+
+
 class StateUnavailable(RuntimeError):
     """Redis could not be reached or timed out; callers fall back (LPS estimates, blind budget)."""
 
@@ -204,10 +219,7 @@ class RedisCore:
         # pool waits: at most this many calls in flight (one connection per node each)
         self._gate: asyncio.Semaphore | None = None
         self._scripts: dict[str, AsyncScript] = {
-            name: client.register_script(
-                resources.files("state").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
-            )
-            for name in SCRIPTS
+            name: client.register_script(script_text(name)) for name in SCRIPTS
         }
 
     async def close(self) -> None:

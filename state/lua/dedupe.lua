@@ -7,21 +7,10 @@
 -- Returns {verdict_1, routed_1, verdict_2, routed_2, ...} (routed '' when not routed yet).
 -- On a single Redis KEYS is empty and the keys come in ARGV[3], joined by '\n' (the
 -- client packs one argument once, not each key); on a Redis Cluster they are KEYS.
-local keys = KEYS
-if #KEYS == 0 then
-  local all, at = ARGV[3] or '', 1
-  if all == '' then
-    return redis.error_reply('dedupe: no keys')
-  end
-  keys = {}
-  while true do
-    local stop = string.find(all, '\n', at, true)
-    keys[#keys + 1] = string.sub(all, at, (stop or 0) - 1)
-    if not stop then
-      break
-    end
-    at = stop + 1
-  end
+--! include _window_keys.lua
+local keys = window_keys(ARGV[3])
+if keys == nil then
+  return redis.error_reply('dedupe: no keys')
 end
 local shas, pos = ARGV[2], 1
 local out = {}

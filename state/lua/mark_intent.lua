@@ -18,21 +18,10 @@
 -- A dedupe entry is a hash of sha, routed and intent only: it exists iff one of them does.
 -- On a single Redis KEYS is empty and the keys come in ARGV[3], joined by '\n' (the
 -- client packs one argument once, not each key); on a Redis Cluster they are KEYS.
-local keys = KEYS
-if #KEYS == 0 then
-  local all, at = ARGV[3] or '', 1
-  if all == '' then
-    return redis.error_reply('mark_intent: no keys')
-  end
-  keys = {}
-  while true do
-    local stop = string.find(all, '\n', at, true)
-    keys[#keys + 1] = string.sub(all, at, (stop or 0) - 1)
-    if not stop then
-      break
-    end
-    at = stop + 1
-  end
+--! include _window_keys.lua
+local keys = window_keys(ARGV[3])
+if keys == nil then
+  return redis.error_reply('mark_intent: no keys')
 end
 local n = #keys
 local intents, froms = ARGV[1], ARGV[2] or ''

@@ -6,21 +6,10 @@
 -- Returns how many entries were marked.
 -- On a single Redis KEYS is empty and the keys come in ARGV[2], joined by '\n' (the
 -- client packs one argument once, not each key); on a Redis Cluster they are KEYS.
-local keys = KEYS
-if #KEYS == 0 then
-  local all, at = ARGV[2] or '', 1
-  if all == '' then
-    return redis.error_reply('mark_routed: no keys')
-  end
-  keys = {}
-  while true do
-    local stop = string.find(all, '\n', at, true)
-    keys[#keys + 1] = string.sub(all, at, (stop or 0) - 1)
-    if not stop then
-      break
-    end
-    at = stop + 1
-  end
+--! include _window_keys.lua
+local keys = window_keys(ARGV[2])
+if keys == nil then
+  return redis.error_reply('mark_routed: no keys')
 end
 local ids, pos = ARGV[1], 1
 local n = 0
