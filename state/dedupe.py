@@ -151,8 +151,6 @@ class RedisDedupe(RedisCore):
             args = [_SEP.join([p for _, p, _ in group])]
             if any(f for _, _, f in group):
                 args.append("\n".join([f for _, _, f in group]))
-            elif not self._cluster:
-                args.append("")  # the keys' argument comes third
             calls.append(self._entries_call([self.keys.dedupe(q) for q, _, _ in group], args))
         replies = await self._script_many("mark_intent", calls)
         return {

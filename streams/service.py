@@ -815,7 +815,6 @@ class RouterService:
     async def _reserve_budget(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
         """Each tenant's worst-case spend, one atomic call per tenant with a budget."""
         lost: dict[int, Lost] = {}
-        model_of = {i.id: self.cluster.model_of(i.id) for i in self.cluster.instances}
         by_tenant: dict[str, list[_Placed]] = {}
         for t in placed:
             by_tenant.setdefault(t[1].query.tenant, []).append(t)
@@ -825,7 +824,8 @@ class RouterService:
                 continue
             # the worst case, not the prediction: settling the real cost never overspends
             amounts = {
-                p.query.id: model_of[str(d.instance_id)].max_cost_usd(p.query) for _, p, d in group
+                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
+                for _, p, d in group
             }
             ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
             spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
