@@ -23,20 +23,13 @@ class RedisDedupe(RedisCore):
     the client ~20 µs of Python; 64 buckets made ~190 calls a window).
     """
 
-    def _dedupe_group(self, query_id: str) -> int:
-        """Which script call of a window a query's dedupe entry goes in (validates the id)."""
-        return dedupe_bucket(query_id) if self._cluster else 0
-
-    def _entries_call(
-        self, keys: list[str], args: list[Any]
-    ) -> tuple[Sequence[str], Sequence[Any]]:
-        """One script call over these dedupe entries. On a Redis Cluster the keys are the
-        script's KEYS (one hash slot); on a single Redis they travel as one more argument,
-        joined by '\\n' (no key holds one: ``state.keys``), and KEYS is empty: redis-py
-        packs each argument in Python (~1 µs a key), a joined string once."""
-        if self._cluster:
-            return keys, args
-        return (), [*args, "\n".join(keys)]
+    def _cluster_calls(
+        self, groups: list[tuple[list[str], list[Any]]]
+    ) -> list[tuple[Sequence[str], Sequence[Any]]]:
+        """A Redis Cluster's script calls: one per dedupe bucket, its query ids' dedupe keys
+        as the script's KEYS (one hash slot). A single Redis takes a window in one call
+        with the keys joined in an argument instead (each ``*_many`` returns before this)."""
+        return [([self.keys.dedupe(q) for q in qids], args) for qids, args in groups]
 
     async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
         """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""
@@ -57,7 +50,7 @@ class RedisDedupe(RedisCore):
     ) -> list[tuple[Verdict, str | None]]:
         """``dedupe_ex`` for a whole window: (query id, body sha256) each, answers in order.
 
-        One pipelined round trip (``_dedupe_group``: one script call, or one per dedupe
+        One pipelined round trip (one script call, or one per dedupe
         bucket on a Redis Cluster). An id given twice is
         ``new`` then ``duplicate`` (or ``conflict``), as if the two arrived one after the other.
         """
@@ -77,15 +70,14 @@ class RedisDedupe(RedisCore):
             return [(cast(Verdict, str(v)), str(r) or None) for v, r in zip(it, it, strict=True)]
         groups: dict[int, list[int]] = {}
         for n, (qid, _) in enumerate(items):
-            groups.setdefault(self._dedupe_group(qid), []).append(n)
+            groups.setdefault(dedupe_bucket(qid), []).append(n)
         # the hashes in one argument (dedupe.lua): redis-py packs each argument in Python
-        calls = [
-            self._entries_call(
-                [self.keys.dedupe(items[n][0]) for n in rows],
-                [ttl_ms, "\n".join([items[n][1] for n in rows])],
-            )
-            for rows in groups.values()
-        ]
+        calls = self._cluster_calls(
+            [
+                ([items[n][0] for n in rows], [ttl_ms, "\n".join([items[n][1] for n in rows])])
+                for rows in groups.values()
+            ]
+        )
         replies = await self._script_many("dedupe", calls)
         out: list[tuple[Verdict, str | None]] = [("new", None)] * len(items)
         for rows, reply in zip(groups.values(), replies, strict=True):
@@ -105,13 +97,10 @@ class RedisDedupe(RedisCore):
             return sum(int(r) for r in await self._script_many("mark_routed", [((), args)]))
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, iid in routed.items():
-            groups.setdefault(self._dedupe_group(qid), []).append((qid, iid))
-        calls = [
-            self._entries_call(
-                [self.keys.dedupe(q) for q, _ in rows], ["\n".join([i for _, i in rows])]
-            )
-            for rows in groups.values()
-        ]
+            groups.setdefault(dedupe_bucket(qid), []).append((qid, iid))
+        calls = self._cluster_calls(
+            [([q for q, _ in rows], ["\n".join([i for _, i in rows])]) for rows in groups.values()]
+        )
         return sum(int(r) for r in await self._script_many("mark_routed", calls))
 
     async def mark_intent_many(self, intents: Mapping[str, RouteIntent]) -> dict[str, str]:
@@ -143,15 +132,16 @@ class RedisDedupe(RedisCore):
             row = (qid, payload, intent.rerouted_from or "")
             if row[2]:
                 self.keys.check_instance_id(row[2])
-            groups.setdefault(self._dedupe_group(qid), []).append(row)
+            groups.setdefault(dedupe_bucket(qid), []).append(row)
         rows = list(groups.values())
         # one argument of intents (and one of re-routed-from instances, when any): mark_intent.lua
-        calls: list[tuple[Sequence[str], Sequence[Any]]] = []
+        per_bucket: list[tuple[list[str], list[Any]]] = []
         for group in rows:
             args = [_SEP.join([p for _, p, _ in group])]
             if any(f for _, _, f in group):
                 args.append("\n".join([f for _, _, f in group]))
-            calls.append(self._entries_call([self.keys.dedupe(q) for q, _, _ in group], args))
+            per_bucket.append(([q for q, _, _ in group], args))
+        calls = self._cluster_calls(per_bucket)
         replies = await self._script_many("mark_intent", calls)
         return {
             qid: holder.decode() if isinstance(holder, bytes) else str(holder)
