@@ -68,6 +68,16 @@ def register(app: typer.Typer) -> None:
         partitions: int = typer.Option(
             4, "--partitions", min=1, help="Partitions of topics it creates"
         ),
+        fetch_wait_ms: float = typer.Option(
+            10.0,
+            "--fetch-wait-ms",
+            min=0.0,
+            help="A fetch of `queries` waits this long for --fetch-min-kib at most (it counts "
+            "toward the window: queries are timed from when they were produced)",
+        ),
+        fetch_min_kib: int = typer.Option(
+            64, "--fetch-min-kib", min=1, help="A fetch of `queries` returns once this much waits"
+        ),
         stale_after_s: float = typer.Option(
             2.0, "--stale-after-s", help="Snapshot age that means stale"
         ),
@@ -194,6 +204,8 @@ def register(app: typer.Typer) -> None:
         config = RouterConfig(
             window_s=window_ms / 1000.0,
             max_batch=max_batch,
+            fetch_min_bytes=fetch_min_kib * 1024,
+            fetch_wait_s=fetch_wait_ms / 1000.0,
             stale_after_s=stale_after_s,
             max_hold_s=max_hold_s,
             budget_hold_s=budget_hold_s,
