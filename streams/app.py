@@ -397,9 +397,9 @@ def create_app(
     app.query_feed = WindowFeed(
         topics.QUERIES,
         capacity=max(4096, 4 * config.max_batch),
-        credit_s=min(config.fetch_wait_s, config.window_s),  # the fetch wait is the window's
+        credit_s=min(config.fetch_wait, config.window_s),  # the fetch wait is the window's
         fetch_min_bytes=config.fetch_min_bytes,
-        fetch_wait_s=config.fetch_wait_s,
+        fetch_wait_s=config.fetch_wait,
     )
     queries = app.topic(topics.QUERIES, value_type=bytes, key_type=bytes, partitions=partitions)
 

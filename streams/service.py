@@ -164,10 +164,11 @@ class RouterConfig:
     budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
     max_held: int = 20_000  # past this many held queries the agent stops reading new ones
     # the router's fetches of ``queries`` (streams.feed): the broker answers once this many
-    # bytes wait or fetch_wait_s passed; patient fetches spare the broker a request per few
-    # records, and the wait counts toward the window (its records are timed from production)
+    # bytes wait or fetch_wait_s passed (None: half the window); patient fetches spare the
+    # broker and the router a request per few records, and the wait counts toward the
+    # window (its records are timed from when they were produced)
     fetch_min_bytes: int = 64 * 1024
-    fetch_wait_s: float = 0.01
+    fetch_wait_s: float | None = None
     # load shedding (routing.window.shed): past this many queries waiting in the router (held
     # + read, not yet decided) the excess is shed, earliest deadline first; 0: off
     shed_backlog: int = SHED_BACKLOG
@@ -190,6 +191,11 @@ class RouterConfig:
     # False: always the configured ones
     online_step_time: bool = True
     step_time_max_age_s: float = 600.0
+
+    @property
+    def fetch_wait(self) -> float:
+        """The fetch wait in force (s): ``fetch_wait_s``, else half the window."""
+        return self.window_s / 2 if self.fetch_wait_s is None else self.fetch_wait_s
 
     @property
     def window(self) -> WindowSettings:

@@ -148,3 +148,11 @@ async def test_router_consumer_fetches_as_the_feed_asks() -> None:
     consumer = drain._new_consumer_thread()._create_worker_consumer(app.transport)
     assert consumer._fetch_min_bytes == 12_345
     assert consumer._fetch_max_wait_ms == 7
+
+
+def test_the_fetch_wait_defaults_to_half_the_window() -> None:
+    from streams.service import RouterConfig
+
+    assert RouterConfig().fetch_wait == 0.025
+    assert RouterConfig(window_s=0.01).fetch_wait == 0.005
+    assert RouterConfig(window_s=0.01, fetch_wait_s=0.0).fetch_wait == 0.0
