@@ -394,7 +394,13 @@ def create_app(
         app, cluster, router, settings, config, metrics or RouterMetrics(), rescue=rescue
     )
     app.router_runtime = runtime
-    app.query_feed = WindowFeed(topics.QUERIES, capacity=max(4096, 4 * config.max_batch))
+    app.query_feed = WindowFeed(
+        topics.QUERIES,
+        capacity=max(4096, 4 * config.max_batch),
+        credit_s=min(config.fetch_wait, config.window_s),  # the fetch wait is the window's
+        fetch_min_bytes=config.fetch_min_bytes,
+        fetch_wait_s=config.fetch_wait,
+    )
     queries = app.topic(topics.QUERIES, value_type=bytes, key_type=bytes, partitions=partitions)
 
     @app.agent(queries, name="route", concurrency=1)
@@ -410,13 +416,20 @@ def create_app(
         service = await runtime.ensure_service()
         consumer = app.consumer
         windows: asyncio.Queue[list[Inbound]] = asyncio.Queue(maxsize=1)
+        room = asyncio.Event()  # set when the worker takes the waiting window
         worker = asyncio.create_task(
-            _process_windows(service, windows, runtime.acker), name="route-windows"
+            _process_windows(service, windows, runtime.acker, room), name="route-windows"
         )
         feed = app.query_feed
         assert feed is not None  # set by create_app
         try:
             while True:
+                # at most one window waits for the worker (backpressure); the next is cut
+                # only once there is room for it, so what came meanwhile joins it rather
+                # than a window cut early waiting whole
+                while windows.full():
+                    room.clear()
+                    await room.wait()
                 # records straight from Faust's consumer (streams.feed): never the stream
                 messages = await feed.take(config.max_batch, config.window_s)
                 items = [
@@ -439,7 +452,7 @@ def create_app(
                 # the window is routed and produced (see _process_windows)
                 items = runtime.acker.opened(items)  # minus those given up at a rebalance
                 if items:
-                    await windows.put(items)  # at most one window waits: backpressure
+                    windows.put_nowait(items)  # room was made above
                 _record_lag(runtime.metrics, consumer, messages)
                 while service.held_count > config.max_held:  # backpressure: stop reading a while
                     await asyncio.sleep(config.window_s)
@@ -475,7 +488,10 @@ def create_app(
 
 
 async def _process_windows(
-    service: RouterService, windows: asyncio.Queue[list[Inbound]], acker: OrderedAcker
+    service: RouterService,
+    windows: asyncio.Queue[list[Inbound]],
+    acker: OrderedAcker,
+    room: asyncio.Event,
 ) -> None:
     """Route windows in arrival order while the agent already collects the next one.
 
@@ -486,6 +502,7 @@ async def _process_windows(
     """
     while True:
         items = await windows.get()
+        room.set()
         try:
             _, unfinished = await service.handle(items)
         except Exception:  # never reached: handle() turns errors into retries or dead letters

@@ -97,7 +97,7 @@ class BlindLedger:
                 self._seen_at[spec.id] = now
 
     def reserved_slots(self, instance_id: str, n: int) -> None:
-        """Slots this process just reserved in Redis after the last read."""
+        """Slots this process just reserved in Redis after the last read (negative: gave back)."""
         if instance_id in self._free:
             self._free[instance_id] = max(0, self._free[instance_id] - n)
 

@@ -16,6 +16,15 @@ until the router acknowledges it, so Faust's rebalance and shutdown see it and
 way. Committing is unchanged: Faust's consumer commits the highest contiguous acknowledged
 offset, and a record is acknowledged only by ``FeedHandle.ack`` once its window was
 produced and acknowledged by Kafka (``streams.app``).
+
+Two things keep the fetches cheap without adding latency. The router's consumer fetches
+patiently (``fetch_min_bytes``, ``fetch_wait_s``; Faust asks for 1 byte, so at a steady
+rate every few records cost the broker and the router a fetch request each). And a window
+is timed from when its oldest record was produced (its Kafka timestamp), not from when it
+reached the feed, so the fetch wait counts toward the window's ``within_s`` (``credit_s``
+at most, the router's fetch wait: a producer whose clock is behind, or a backlog, does not
+shrink windows; batching a backlog in whole windows is what keeps a router's throughput).
+docs/benchmarks/service.md, "Added latency at half the rate", has the measurements.
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any, cast
 
 from faust.transport.consumer import CONSUMER_FETCHING
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.transport.drivers.aiokafka import Consumer as FaustKafkaConsumer
 
 
@@ -49,18 +59,35 @@ class WindowFeed:
     """Records of one topic waiting for the router's next window (oldest first).
 
     ``take(n, within_s)`` returns up to ``n`` records once ``n`` are here or ``within_s``
-    passed since the oldest waiting record arrived (Faust's ``take_events``, timed from the
-    record rather than from the call: a record that waited through the previous window
-    does not wait a whole window again). ``BatchDrain`` stops fetching while ``capacity``
-    records wait (backpressure, as a full stream buffer did)."""
+    passed since the oldest waiting record was produced (its Kafka timestamp; how long it
+    took to arrive counts for ``credit_s`` at most). A record that waited through the
+    previous window does not wait a whole window again. ``BatchDrain`` stops fetching while
+    ``capacity`` records wait (backpressure, as a full stream buffer did), and fetches
+    ``fetch_min_bytes`` or what came in ``fetch_wait_s``, whichever is first."""
 
-    def __init__(self, topic: str, capacity: int) -> None:
+    def __init__(
+        self,
+        topic: str,
+        capacity: int,
+        *,
+        credit_s: float = 0.0,
+        fetch_min_bytes: int = 1,
+        fetch_wait_s: float = 0.5,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"WindowFeed capacity must be >= 1, got {capacity}")
+        if credit_s < 0 or fetch_wait_s < 0 or fetch_min_bytes < 1:
+            raise ValueError(
+                f"WindowFeed needs credit_s >= 0, fetch_wait_s >= 0 and fetch_min_bytes >= 1, "
+                f"got {credit_s}, {fetch_wait_s} and {fetch_min_bytes}"
+            )
         self.topic = topic
         self.capacity = capacity
+        self.credit_s = credit_s
+        self.fetch_min_bytes = fetch_min_bytes
+        self.fetch_wait_s = fetch_wait_s
         self._records: deque[Any] = deque()
-        self._first_s = 0.0  # when the oldest waiting record arrived (monotonic)
+        self._start_s = 0.0  # when the oldest waiting record's window began (monotonic)
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -68,15 +95,22 @@ class WindowFeed:
     def __len__(self) -> int:
         return len(self._records)
 
-    def put(self, records: Iterable[Any]) -> None:
-        was_empty = not self._records
+    def _started(self, record: Any) -> float:
+        """When ``record``'s window began (monotonic): when it was produced, by its Kafka
+        timestamp (seconds), but at most ``credit_s`` before now."""
+        age_s = time.time() - float(record.timestamp or 0.0)
+        return time.monotonic() - min(max(age_s, 0.0), self.credit_s)
+
+    def put(self, records: Sequence[Any]) -> None:
+        """Records fetched, oldest first, each with a ``timestamp`` (seconds)."""
+        if not records:
+            return
+        if not self._records:
+            self._start_s = self._started(records[0])
         self._records.extend(records)
-        if self._records:
-            if was_empty:
-                self._first_s = time.monotonic()
-            self._arrived.set()
-            if len(self._records) >= self.capacity:
-                self._room.clear()
+        self._arrived.set()
+        if len(self._records) >= self.capacity:
+            self._room.clear()
 
     async def wait_room(self) -> None:
         """Return once fewer than ``capacity`` records wait."""
@@ -92,7 +126,7 @@ class WindowFeed:
             self._arrived.clear()
             await self._arrived.wait()
         while len(self._records) < n:
-            left = self._first_s + within_s - time.monotonic()
+            left = self._start_s + within_s - time.monotonic()
             if left <= 0:
                 break
             self._arrived.clear()
@@ -104,10 +138,25 @@ class WindowFeed:
         k = min(n, len(records))
         taken = [records.popleft() for _ in range(k)]
         if records:
-            self._first_s = time.monotonic()  # the rest starts its own window's wait
+            self._start_s = self._started(records[0])  # the rest starts its own window
         if len(records) < self.capacity:
             self._room.set()
         return taken
+
+
+class _PatientConsumerThread(AIOKafkaConsumerThread):
+    """Faust's consumer thread whose aiokafka consumer waits for ``fetch_min_bytes`` (or
+    ``fetch_wait_s``) per fetch, as the feed asks; Faust itself sets neither."""
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        feed: WindowFeed | None = getattr(self.app, "query_feed", None)
+        if feed is not None:
+            # the constructor's own fields (read when the consumer starts its fetcher);
+            # Faust passes the constructor neither
+            consumer._fetch_min_bytes = feed.fetch_min_bytes
+            consumer._fetch_max_wait_ms = round(feed.fetch_wait_s * 1000)
+        return consumer
 
 
 class BatchDrain(FaustKafkaConsumer):
@@ -115,6 +164,9 @@ class BatchDrain(FaustKafkaConsumer):
 
     The app names its feed in ``app.query_feed`` (a ``WindowFeed``); without one this is
     Faust's consumer unchanged."""
+
+    def _new_consumer_thread(self) -> AIOKafkaConsumerThread:
+        return _PatientConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - a loop
         feed: WindowFeed | None = getattr(self.app, "query_feed", None)

@@ -163,6 +163,12 @@ class RouterConfig:
     max_hold_s: float = MAX_HOLD_S  # a query waiting for capacity (or a live instance) gives up
     budget_hold_s: float = BUDGET_HOLD_S  # a query deferred for budget gives up after this
     max_held: int = 20_000  # past this many held queries the agent stops reading new ones
+    # the router's fetches of ``queries`` (streams.feed): the broker answers once this many
+    # bytes wait or fetch_wait_s passed (None: half the window); patient fetches spare the
+    # broker and the router a request per few records, and the wait counts toward the
+    # window (its records are timed from when they were produced)
+    fetch_min_bytes: int = 64 * 1024
+    fetch_wait_s: float | None = None
     # load shedding (routing.window.shed): past this many queries waiting in the router (held
     # + read, not yet decided) the excess is shed, earliest deadline first; 0: off
     shed_backlog: int = SHED_BACKLOG
@@ -185,6 +191,11 @@ class RouterConfig:
     # False: always the configured ones
     online_step_time: bool = True
     step_time_max_age_s: float = 600.0
+
+    @property
+    def fetch_wait(self) -> float:
+        """The fetch wait in force (s): ``fetch_wait_s``, else half the window."""
+        return self.window_s / 2 if self.fetch_wait_s is None else self.fetch_wait_s
 
     @property
     def window(self) -> WindowSettings:
@@ -370,11 +381,20 @@ class RouterService:
             await self._blind.flush(
                 self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
             )
-            # a Redis back without its ledger: blind until it is rebuilt from Kafka
-            if self._ledger_guard is not None and not await self._ledger_guard.ready(self.state):
-                raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
             out = WindowOutput()
-            candidates = held + await self._validate_and_dedupe(batch_items, out)
+            guard = self._ledger_guard
+            if guard is None:
+                kept = await self._validate_and_dedupe(batch_items, out)
+            else:
+                # a Redis back without its ledger: blind until it is rebuilt from Kafka. The
+                # check and the dedupe call go at once (one round trip, not two); the dedupe
+                # entries of a window that then goes blind only keep its routed marks later
+                ready, kept = await asyncio.gather(
+                    guard.ready(self.state), self._validate_and_dedupe(batch_items, out)
+                )
+                if not ready:
+                    raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
+            candidates = held + kept
             if candidates:
                 await self._route(candidates, out)
             return out, candidates, False
@@ -653,8 +673,10 @@ class RouterService:
         for g in shedding.shed:
             self._give_up(g.item, None, g.status, g.text, now, None, out, g.reason)
         candidates = shedding.kept
-        sight = await self._see(now, blind)
-        money = await self._price(candidates, now, blind)
+        # two reads at once (one round trip, not two)
+        sight, money = await asyncio.gather(
+            self._see(now, blind), self._price(candidates, now, blind)
+        )
         admission = admit(
             candidates,
             [p.first_seen_s for p in candidates],
@@ -793,9 +815,29 @@ class RouterService:
         ]
         if blind:
             return self._reserve_blind(placed, money)
-        lost = await self._reserve_budget(placed, money)
-        await self._reserve_slots([t for t in placed if t[0] not in lost], money, lost)
-        return lost
+        # budget and slots are reserved at once (one round trip, not two); a query that
+        # lost either gives the other back. Budget first among the reasons, as it is the
+        # one a later window cannot fix by itself.
+        budget_lost, slot_lost = await asyncio.gather(
+            self._reserve_budget(placed, money), self._reserve_slots(placed)
+        )
+        give_back_budget: dict[tuple[str, str], list[str]] = {}
+        give_back_slots: dict[str, list[str]] = {}
+        for k, p, d in placed:
+            if k in slot_lost and k not in budget_lost:
+                tw = money.tenant_windows.get(p.query.tenant)
+                if tw is not None:
+                    give_back_budget.setdefault((tw.tenant, tw.period_id), []).append(p.query.id)
+            elif k in budget_lost and k not in slot_lost:
+                give_back_slots.setdefault(str(d.instance_id), []).append(p.query.id)
+        if give_back_budget or give_back_slots:
+            await asyncio.gather(
+                *(self.state.release_budget(t, pid, q) for (t, pid), q in give_back_budget.items()),
+                *(self.state.release_slots(i, q) for i, q in give_back_slots.items()),
+            )
+        for instance_id, qids in give_back_slots.items():
+            self._blind.reserved_slots(instance_id, -len(qids))
+        return slot_lost | budget_lost
 
     def _reserve_blind(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
         lost: dict[int, Lost] = {}
@@ -813,56 +855,65 @@ class RouterService:
         return lost
 
     async def _reserve_budget(self, placed: Sequence[_Placed], money: Money) -> dict[int, Lost]:
-        """Each tenant's worst-case spend, one atomic call per tenant with a budget."""
-        lost: dict[int, Lost] = {}
+        """Each tenant's worst-case spend, one atomic call per tenant with a budget (the
+        tenants' calls at once)."""
         by_tenant: dict[str, list[_Placed]] = {}
         for t in placed:
             by_tenant.setdefault(t[1].query.tenant, []).append(t)
-        for tenant, group in by_tenant.items():
-            tw = money.tenant_windows.get(tenant)
-            if tw is None:
-                continue
-            # the worst case, not the prediction: settling the real cost never overspends
-            amounts = {
+        calls = [
+            (money.tenant_windows[tenant], group)
+            for tenant, group in by_tenant.items()
+            if tenant in money.tenant_windows
+        ]
+        # the worst case, not the prediction: settling the real cost never overspends
+        amounts = [
+            {
                 p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
                 for _, p, d in group
             }
-            ok = await self.state.reserve_budget(tenant, tw.period_id, tw.limit_usd, amounts)
-            spent_now = f"tenant {tenant} budget for period {tw.period_id} is spent"
+            for _, group in calls
+        ]
+        oks = await asyncio.gather(
+            *(
+                self.state.reserve_budget(tw.tenant, tw.period_id, tw.limit_usd, a)
+                for (tw, _), a in zip(calls, amounts, strict=True)
+            )
+        )
+        lost: dict[int, Lost] = {}
+        for (tw, group), a, ok in zip(calls, amounts, oks, strict=True):
+            spent_now = f"tenant {tw.tenant} budget for period {tw.period_id} is spent"
             for k, p, _ in group:
                 if not ok.get(p.query.id, True):
                     lost[k] = Lost(HoldReason.BUDGET, spent_now)
             # what a blind window would start from: the read less what was just reserved
-            taken = sum(amounts[q] for q, accepted in ok.items() if accepted)
+            taken = sum(a[q] for q, accepted in ok.items() if accepted)
             self._blind.observe_budget(
-                tenant, tw.period_id, tw.limit_usd, money.spent[tenant] + taken
+                tw.tenant, tw.period_id, tw.limit_usd, money.spent[tw.tenant] + taken
             )
         return lost
 
-    async def _reserve_slots(
-        self, placed: Sequence[_Placed], money: Money, lost: dict[int, Lost]
-    ) -> None:
-        """One atomic call per instance; a query that lost its slot gives its budget back."""
-        by_instance: dict[str, list[tuple[int, Pending]]] = {}
+    async def _reserve_slots(self, placed: Sequence[_Placed]) -> dict[int, Lost]:
+        """One atomic call per instance (the instances' calls at once)."""
+        by_instance: dict[str, list[int]] = {}
+        qids: dict[str, list[str]] = {}
         for k, p, d in placed:
-            by_instance.setdefault(str(d.instance_id), []).append((k, p))
-        released: dict[tuple[str, str], list[str]] = {}
-        for instance_id, slots in by_instance.items():
-            max_slots = self.cluster.model_of(instance_id).max_concurrency
-            qids = [p.query.id for _, p in slots]
-            oks = await self.state.reserve_slots(
-                instance_id, max_slots, qids, lease_s=self.config.slot_lease_s
+            by_instance.setdefault(str(d.instance_id), []).append(k)
+            qids.setdefault(str(d.instance_id), []).append(p.query.id)
+        limits = {i: self.cluster.model_of(i).max_concurrency for i in by_instance}
+        oks = await asyncio.gather(
+            *(
+                self.state.reserve_slots(i, limits[i], qids[i], lease_s=self.config.slot_lease_s)
+                for i in by_instance
             )
-            self._blind.reserved_slots(instance_id, sum(oks))
-            full = f"instance {instance_id} is at its capacity of {max_slots}"
-            for (k, p), accepted in zip(slots, oks, strict=True):
-                if not accepted:
+        )
+        lost: dict[int, Lost] = {}
+        for (instance_id, ks), accepted in zip(by_instance.items(), oks, strict=True):
+            self._blind.reserved_slots(instance_id, sum(accepted))
+            full = f"instance {instance_id} is at its capacity of {limits[instance_id]}"
+            for k, ok in zip(ks, accepted, strict=True):
+                if not ok:
                     lost[k] = Lost(HoldReason.SLOT_LOST, full)
-                    tw = money.tenant_windows.get(p.query.tenant)
-                    if tw is not None:
-                        released.setdefault((p.query.tenant, tw.period_id), []).append(p.query.id)
-        for (tenant, period), qids in released.items():
-            await self.state.release_budget(tenant, period, qids)
+        return lost
 
     def _emit_routed(
         self,

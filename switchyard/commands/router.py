@@ -68,6 +68,17 @@ def register(app: typer.Typer) -> None:
         partitions: int = typer.Option(
             4, "--partitions", min=1, help="Partitions of topics it creates"
         ),
+        fetch_wait_ms: float | None = typer.Option(
+            None,
+            "--fetch-wait-ms",
+            min=0.0,
+            help="A fetch of `queries` waits this long for --fetch-min-kib at most (default: "
+            "half the window; it counts toward the window, as queries are timed from when "
+            "they were produced)",
+        ),
+        fetch_min_kib: int = typer.Option(
+            64, "--fetch-min-kib", min=1, help="A fetch of `queries` returns once this much waits"
+        ),
         stale_after_s: float = typer.Option(
             2.0, "--stale-after-s", help="Snapshot age that means stale"
         ),
@@ -194,6 +205,8 @@ def register(app: typer.Typer) -> None:
         config = RouterConfig(
             window_s=window_ms / 1000.0,
             max_batch=max_batch,
+            fetch_min_bytes=fetch_min_kib * 1024,
+            fetch_wait_s=(window_ms / 2 if fetch_wait_ms is None else fetch_wait_ms) / 1000.0,
             stale_after_s=stale_after_s,
             max_hold_s=max_hold_s,
             budget_hold_s=budget_hold_s,

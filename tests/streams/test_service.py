@@ -229,6 +229,64 @@ async def test_redelivery_after_a_crash_goes_to_the_same_instance_unchanged(
     assert status.n_reserved == 4
 
 
+class _Spent(RouterService):
+    """Another router spends the tenant's budget between this window's read and its
+    reservation (what the window read said it could afford, the ledger refuses)."""
+
+    async def _reserve(self, asked, decisions, money, blind):  # type: ignore[no-untyped-def]
+        tw = money.tenant_windows["default"]
+        await self.state.reserve_budget(
+            "default", tw.period_id, tw.limit_usd, {f"other-{uuid.uuid4().hex}": tw.limit_usd}
+        )
+        return await super()._reserve(asked, decisions, money, blind)
+
+
+class _SlotsTaken(RouterService):
+    """Another router takes every slot between this window's read and its reservation."""
+
+    async def _reserve(self, asked, decisions, money, blind):  # type: ignore[no-untyped-def]
+        for iid in {str(d.instance_id) for d in decisions if d.instance_id}:
+            await self.state.reserve_slots(iid, 1, [f"other-{uuid.uuid4().hex}"])
+        return await super()._reserve(asked, decisions, money, blind)
+
+
+async def test_a_query_that_lost_its_budget_gives_its_slot_back(env) -> None:  # type: ignore[no-untyped-def]
+    # budget and capacity are reserved at once (one round trip): a query that lost its
+    # budget gives its slot back
+    rid, store, producer = env
+    await heartbeat(store, rid)
+    spec = cluster(rid)
+    from tests.streams.fake_router import SpreadRouter
+
+    spent = _Spent(spec, SpreadRouter(spec), store, BatchSink(producer),
+                   RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+    outcome, unfinished = await spent.handle(
+        [Inbound(body(f"{rid}-b{k}"), "queries", 0, k) for k in range(3)]
+    )
+    assert outcome.routed == 0 and len(unfinished) == 3  # deferred for budget
+    assert await store.slots_held(f"{rid}-a") == [] and await store.slots_held(f"{rid}-b") == []
+
+
+async def test_a_query_that_lost_its_slot_gives_its_budget_back(env) -> None:  # type: ignore[no-untyped-def]
+    # every slot taken by another router after the read, budget ample: no budget is kept
+    rid, store, producer = env
+    await heartbeat(store, rid, max_concurrency=1)
+    spec = cluster(rid, max_concurrency=1)
+    from tests.streams.fake_router import SpreadRouter
+
+    taken = _SlotsTaken(spec, SpreadRouter(spec), store, BatchSink(producer),
+                        RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+    pid = period_id(time.time(), 86400)
+    reserved_before = (await store.budget_status("default", pid)).n_reserved
+    outcome, unfinished = await taken.handle(
+        [Inbound(body(f"{rid}-s{k}"), "queries", 0, k) for k in range(2)]
+    )
+    assert outcome.routed == 0 and len(unfinished) == 2
+    assert (await store.budget_status("default", pid)).n_reserved == reserved_before == 0
+    for iid in (f"{rid}-a", f"{rid}-b"):
+        assert [q.startswith("other-") for q in await store.slots_held(iid)] == [True]
+
+
 async def test_full_instances_hold_queries_until_a_slot_frees(env) -> None:  # type: ignore[no-untyped-def]
     rid, store, producer = env
     await heartbeat(store, rid, max_concurrency=1)
