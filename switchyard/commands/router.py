@@ -103,6 +103,14 @@ def register(app: typer.Typer) -> None:
             help="Load shedding: shed a query that waited this many times its TTFT SLO since "
             "it was sent (1: its SLO can no longer be met); 0: off",
         ),
+        dedupe_ttl_s: float = typer.Option(
+            3600.0,
+            "--dedupe-ttl-s",
+            help="How long a routed query's dedupe entry is kept in Redis (a redelivered or "
+            "re-sent query id within it is dropped, or re-sent as first decided). It must "
+            "outlive a held query's wait and a crashed router's hand-over; each entry takes "
+            "~0.5 KB, so at R queries/s Redis holds ~R x this x 0.5 KB",
+        ),
         pacing: float = typer.Option(
             0.0,
             "--pacing",
@@ -156,13 +164,28 @@ def register(app: typer.Typer) -> None:
             from offline.blas import limit_blas_threads
 
             limit_blas_threads(blas_threads)
+        # an entry must outlive the longest a query stays unacknowledged here (held) plus the
+        # consumer group's hand-over of a crashed router's partitions, or a redelivery after
+        # the crash would be routed a second time
+        from streams.service import RouterConfig
+
+        group_session_s = RouterConfig.group_session_s
+        shortest_ttl_s = max(max_hold_s, budget_hold_s) + group_session_s
+        if dedupe_ttl_s < shortest_ttl_s:
+            typer.echo(
+                f"error: --dedupe-ttl-s {dedupe_ttl_s:g} is shorter than a held query can wait "
+                f"plus a crashed router's hand-over ({max(max_hold_s, budget_hold_s):g} + "
+                f"{group_session_s:g} s): a query redelivered after a crash would be routed "
+                f"twice; use at least {shortest_ttl_s:g}",
+                err=True,
+            )
+            raise typer.Exit(2)
         from routing.policies.registry import effective_options, parse_options
         from schemas import ClusterConfig
         from streams.app import create_app, run
         from streams.metrics import RouterMetrics
         from streams.policy import PolicyError, load_router
         from streams.rescue import RescueConfig
-        from streams.service import RouterConfig
         from switchyard.logs import configure_logging, logging_dict_config
         from wiring import kafka_admin, topics
         from wiring.paths import state_dir
@@ -204,6 +227,7 @@ def register(app: typer.Typer) -> None:
             metrics.serve(metrics_port, metrics_host)
         config = RouterConfig(
             window_s=window_ms / 1000.0,
+            dedupe_ttl_s=dedupe_ttl_s,
             max_batch=max_batch,
             fetch_min_bytes=fetch_min_kib * 1024,
             fetch_wait_s=(window_ms / 2 if fetch_wait_ms is None else fetch_wait_ms) / 1000.0,

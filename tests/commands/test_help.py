@@ -60,3 +60,11 @@ def test_load_shedding_is_settable_from_router_and_simulate(tmp_path: Path) -> N
     assert RouterConfig(shed_backlog=500, shed_after_slo=0.5).window == want
     assert EvalConfig(shed_backlog=500, shed_after_slo=0.5).window == want
     assert RouterConfig().window == EvalConfig().window == WindowSettings()
+
+
+def test_a_dedupe_ttl_shorter_than_a_hold_is_refused(tmp_path: Path) -> None:
+    """A dedupe entry that expires while its query may still be redelivered would let a
+    crash route it twice: refused, named, before anything starts."""
+    bad = cli("router", "--dedupe-ttl-s", "30", "--max-hold-s", "60", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "--dedupe-ttl-s 30" in bad.stderr and "use at least 70" in bad.stderr
