@@ -4,7 +4,7 @@ and marks it routed after Kafka acknowledged it. See ``state.protocols.Dedupe``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from redis.asyncio.client import Pipeline
@@ -30,6 +30,12 @@ class RedisDedupe(RedisCore):
         as the script's KEYS (one hash slot). A single Redis takes a window in one call
         with the keys joined in an argument instead (each ``*_many`` returns before this)."""
         return [([self.keys.dedupe(q) for q in qids], args) for qids, args in groups]
+
+    def _joined_keys(self, query_ids: Iterable[str]) -> str:
+        """A single Redis's one call: the query ids' dedupe keys as one argument, joined by
+        '\n' (no key holds one: ``state.keys``; read by ``lua/_window_keys.lua``)."""
+        key = self.keys.dedupe
+        return "\n".join([key(q) for q in query_ids])
 
     async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
         """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""
@@ -61,8 +67,7 @@ class RedisDedupe(RedisCore):
             if not isinstance(sha, str) or not sha or len(sha) > 128 or "\n" in sha:
                 raise ValueError(f"query {qid}: body_sha256 must be a hex digest, got {sha!r}")
         if not self._cluster:  # one call, no grouping: the keys and hashes as two arguments
-            key = self.keys.dedupe
-            keys = "\n".join([key(q) for q, _ in items])
+            keys = self._joined_keys(q for q, _ in items)
             (reply,) = await self._script_many(
                 "dedupe", [((), [ttl_ms, "\n".join([sha for _, sha in items]), keys])]
             )
@@ -92,8 +97,7 @@ class RedisDedupe(RedisCore):
         for iid in set(routed.values()):
             self.keys.check_instance_id(iid)  # once per instance, not once per query
         if not self._cluster:  # one call, no grouping
-            key = self.keys.dedupe
-            args = ["\n".join(routed.values()), "\n".join([key(q) for q in routed])]
+            args = ["\n".join(routed.values()), self._joined_keys(routed)]
             return sum(int(r) for r in await self._script_many("mark_routed", [((), args)]))
         groups: dict[int, list[tuple[str, str]]] = {}
         for qid, iid in routed.items():
@@ -143,12 +147,8 @@ class RedisDedupe(RedisCore):
             per_bucket.append(([q for q, _, _ in group], args))
         calls = self._cluster_calls(per_bucket)
         replies = await self._script_many("mark_intent", calls)
-        return {
-            qid: holder.decode() if isinstance(holder, bytes) else str(holder)
-            for group, got in zip(rows, replies, strict=True)
-            for (qid, _, _), holder in zip(group, got, strict=True)
-            if not isinstance(holder, int)
-        }
+        qids = [qid for group in rows for qid, _, _ in group]
+        return _holders(qids, [holder for got in replies for holder in got])
 
     async def _mark_intents_one_call(self, intents: Mapping[str, RouteIntent]) -> dict[str, str]:
         """``mark_intent_many`` on a single Redis: the window's intents, re-routed-from
@@ -160,18 +160,9 @@ class RedisDedupe(RedisCore):
         froms = [i.rerouted_from or "" for i in intents.values()]
         for f in set(froms) - {""}:
             self.keys.check_instance_id(f)
-        key = self.keys.dedupe
-        args = [
-            joined,
-            "\n".join(froms) if any(froms) else "",
-            "\n".join([key(q) for q in intents]),
-        ]
+        args = [joined, "\n".join(froms) if any(froms) else "", self._joined_keys(intents)]
         (reply,) = await self._script_many("mark_intent", [((), args)])
-        return {
-            qid: holder.decode() if isinstance(holder, bytes) else str(holder)
-            for qid, holder in zip(intents, reply, strict=True)
-            if not isinstance(holder, int)
-        }
+        return _holders(list(intents), reply)
 
     async def intents(self, query_ids: Sequence[str]) -> dict[str, RouteIntent]:
         """The recorded route intent of each query that has one (one pipelined round trip)."""
@@ -217,3 +208,14 @@ def _route_intent(raw: str | None) -> RouteIntent | None:
         return None
     instance_id, decision_json = raw.split("\n", 1)
     return RouteIntent(instance_id, decision_json) if instance_id and decision_json else None
+
+
+def _holders(query_ids: Sequence[str], replies: Sequence[Any]) -> dict[str, str]:
+    """The queries another router took, from ``mark_intent.lua``'s answers (one per query
+    id, in order): the instance each is taken by; an integer (recorded, or no entry) is
+    left out."""
+    return {
+        qid: holder.decode() if isinstance(holder, bytes) else str(holder)
+        for qid, holder in zip(query_ids, replies, strict=True)
+        if not isinstance(holder, int)
+    }

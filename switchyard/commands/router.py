@@ -170,11 +170,12 @@ def register(app: typer.Typer) -> None:
         from streams.service import RouterConfig
 
         group_session_s = RouterConfig.group_session_s
-        shortest_ttl_s = max(max_hold_s, budget_hold_s) + group_session_s
+        longest_hold_s = max(max_hold_s, budget_hold_s)
+        shortest_ttl_s = longest_hold_s + group_session_s
         if dedupe_ttl_s < shortest_ttl_s:
             typer.echo(
                 f"error: --dedupe-ttl-s {dedupe_ttl_s:g} is shorter than a held query can wait "
-                f"plus a crashed router's hand-over ({max(max_hold_s, budget_hold_s):g} + "
+                f"plus a crashed router's hand-over ({longest_hold_s:g} + "
                 f"{group_session_s:g} s): a query redelivered after a crash would be routed "
                 f"twice; use at least {shortest_ttl_s:g}",
                 err=True,
@@ -230,7 +231,7 @@ def register(app: typer.Typer) -> None:
             dedupe_ttl_s=dedupe_ttl_s,
             max_batch=max_batch,
             fetch_min_bytes=fetch_min_kib * 1024,
-            fetch_wait_s=(window_ms / 2 if fetch_wait_ms is None else fetch_wait_ms) / 1000.0,
+            fetch_wait_s=None if fetch_wait_ms is None else fetch_wait_ms / 1000.0,
             stale_after_s=stale_after_s,
             max_hold_s=max_hold_s,
             budget_hold_s=budget_hold_s,
@@ -254,7 +255,8 @@ def register(app: typer.Typer) -> None:
             datadir=state_dir() / "faust" / app_id,
         )
         typer.echo(
-            f"router {app_id}: policy {getattr(chosen, 'name', policy)}, window {window_ms:g} ms, "
+            f"router {app_id}: policy {getattr(chosen, 'name', policy)}, window {window_ms:g} ms "
+            f"(fetch wait {config.fetch_wait * 1000:g} ms), "
             f"max batch {max_batch}, shedding "
             f"{_shedding(shed_backlog, shed_after_slo)}, {len(spec.instances)} instances, "
             f"Kafka {settings.kafka}, "
