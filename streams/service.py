@@ -11,16 +11,20 @@
    drops a second copy; otherwise the query is decided again — the Redis reservations
    are idempotent per query id, so it is never paid or slotted twice;
 3. reads every instance's snapshot in one pipelined call and builds the views (with the
-   router's model of each instance's prefix cache, ``state.prefix``);
+   router's model of each instance's prefix cache, ``state.prefix``); this read, each
+   tenant's budget status and the ledger check go beside the dedupe call of step 2, so
+   the window's reads cost one round trip;
 4. calls ``Router.decide`` once for the window (the service has no routing logic);
 5. reserves budget (per tenant) and capacity (per instance) atomically in Redis — a
    reservation lost to another router sends the query to the next window — and records
-   each routed query's intent (instance and decision) in its dedupe entry, and touches
-   its whole prefix blocks in its instance's prefix-cache model (one pipelined call);
+   each routed query's intent (instance and decision) in its dedupe entry;
 6. produces ``RoutedQuery`` to ``route.<instance>`` and a ``Decision`` to ``decisions``,
-   and waits until Kafka acknowledged all of them. Only then does it return, and only
-   then does the Faust adapter acknowledge the input offsets, so a crash at any point
-   re-delivers rather than loses.
+   and waits until Kafka acknowledged all of them; then marks them routed and touches
+   their whole prefix blocks in their instances' prefix-cache models (one round trip:
+   a touch Redis refuses is logged, not retried — the worker touches them again when
+   the query finishes). Only then does it return, and only then does the Faust adapter
+   acknowledge the input offsets, so a crash at any point re-delivers rather than
+   loses.
 
 A query that cannot be placed now (budget paced out, every instance full, no live
 instance) is *held*: its input offset stays unacknowledged and it joins the next window,
@@ -43,7 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -212,6 +216,15 @@ class Sight:
 
 
 @dataclass(frozen=True)
+class Reads:
+    """The window's state reads taken beside its dedupe call (``RouterService._read``)."""
+
+    now: float  # when they were taken: the window's decision time
+    sight: Sight
+    spent: dict[str, float]  # tenant -> reserved + settled in its period at ``now``
+
+
+@dataclass(frozen=True)
 class Money:
     """Stage ``_price``: the window's ``Budget`` and each tenant's ledger position."""
 
@@ -248,6 +261,8 @@ class WindowOutput:
     # query id -> instance it went to ("-": answered without routing), marked after the produce
     routed_marks: dict[str, str] = field(default_factory=dict)
     routed_inputs: list[Inbound] = field(default_factory=list)  # for the added-latency metric
+    # the routed queries' prefix blocks, touched in the prefix-cache model after the produce
+    prefix_touches: list[PrefixTouch] = field(default_factory=list)
     held: list[Pending] = field(default_factory=list)  # wait for the next window, oldest first
 
 
@@ -382,21 +397,25 @@ class RouterService:
                 self.state, self.cluster, self.config.slot_lease_s, self.config.dedupe_ttl_s
             )
             out = WindowOutput()
+            now = time.time()
+            valid = self._validate(batch_items, out, now)
+            # the window's reads go at once, in one round trip: the ledger check (a Redis
+            # back without its ledger routes blind until it is rebuilt from Kafka), the
+            # dedupe call, and the instances' snapshots with the budget status of every
+            # tenant present (a duplicate's tenant too: reading it costs nothing more). The
+            # dedupe entries of a window that then goes blind only keep its routed marks later
             guard = self._ledger_guard
-            if guard is None:
-                kept = await self._validate_and_dedupe(batch_items, out)
-            else:
-                # a Redis back without its ledger: blind until it is rebuilt from Kafka. The
-                # check and the dedupe call go at once (one round trip, not two); the dedupe
-                # entries of a window that then goes blind only keep its routed marks later
-                ready, kept = await asyncio.gather(
-                    guard.ready(self.state), self._validate_and_dedupe(batch_items, out)
-                )
-                if not ready:
-                    raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
+            tenants = list(dict.fromkeys(p.query.tenant for p in (*held, *valid)))
+            ready, kept, reads = await asyncio.gather(
+                guard.ready(self.state) if guard is not None else _answer(True),
+                self._dedupe_valid(valid, out, now),
+                self._read(now, tenants) if tenants else _answer(None),
+            )
+            if not ready:
+                raise LedgerRebuilding("the budget ledger is being rebuilt from Kafka")
             candidates = held + kept
             if candidates:
-                await self._route(candidates, out)
+                await self._route(candidates, out, reads=reads)
             return out, candidates, False
         except Exception as exc:
             if not _state_error(exc):
@@ -431,16 +450,26 @@ class RouterService:
                 p.inbound.handle.routed(marks[p.query.id])
         if blind:
             self._blind.routed(marks, shas)
-        elif marks:
-            try:
-                await self._mark_routed(marks)
-            except Exception as exc:
-                if not _state_error(exc):
-                    raise
-                log.warning("routed marks owed to Redis until it answers: %s", exc)
+        elif marks or out.prefix_touches:
+            # the marks and the prefix touches at once (one round trip, not two)
+            marked, touched = await asyncio.gather(
+                self._mark_routed(marks) if marks else _answer(None),
+                self._touch_prefixes(out.prefix_touches),
+                return_exceptions=True,
+            )
+            if isinstance(marked, BaseException):
+                if not _state_error(marked):
+                    raise marked
+                log.warning("routed marks owed to Redis until it answers: %s", marked)
                 self._blind.routed(marks, shas)
             else:
                 self._blind.remember(shas)
+            if isinstance(touched, BaseException):
+                if not _state_error(touched):
+                    raise touched
+                # a model of the engine's cache, reconciled with its own counters: these
+                # blocks only count as less recent until the queries' results touch them
+                log.warning("prefix-cache model not updated (Redis away): %s", touched)
         if not blind:
             self._blind_logged = False
 
@@ -551,10 +580,16 @@ class RouterService:
     async def _validate_and_dedupe(
         self, items: list[Inbound], out: WindowOutput, blind: bool = False
     ) -> list[Pending]:
-        """The window's valid queries (``_validate``) that are not already routed: a
-        redelivery whose crashed router recorded its intent is re-sent as recorded."""
+        """The window's valid queries (``_validate``) that are not already routed
+        (``_dedupe_valid``)."""
         now = time.time()
-        valid = self._validate(items, out, now)
+        return await self._dedupe_valid(self._validate(items, out, now), out, now, blind)
+
+    async def _dedupe_valid(
+        self, valid: list[Pending], out: WindowOutput, now: float, blind: bool = False
+    ) -> list[Pending]:
+        """Those of the ``valid`` queries that are not already routed: a redelivery whose
+        crashed router recorded its intent is re-sent as recorded."""
         if not valid:
             return []
         self._stage = "dedupe"
@@ -655,12 +690,19 @@ class RouterService:
         got = await self.state.dedupe_many(items, self.config.dedupe_ttl_s)
         return [(str(verdict), str(routed or "")) for verdict, routed in got]
 
-    async def _route(self, candidates: list[Pending], out: WindowOutput, blind: bool = False) -> None:
+    async def _route(
+        self,
+        candidates: list[Pending],
+        out: WindowOutput,
+        blind: bool = False,
+        reads: Reads | None = None,
+    ) -> None:
         """Decide and place one window's candidates (oldest first), in stages: see the
         instances, price the window, admit and cut (``routing.window.admit``), decide,
         reserve, hold or give up (``routing.window.settle``), emit. Before all, load
-        shedding (``routing.window.shed``) answers the queries it sheds."""
-        now = time.time()
+        shedding (``routing.window.shed``) answers the queries it sheds. ``reads``: the
+        snapshots and budget status already read beside the dedupe call (``_read``)."""
+        now = time.time() if reads is None else reads.now
         self._stage = "decide"
         rules = self.config.window
         shedding = shed(
@@ -673,10 +715,12 @@ class RouterService:
         for g in shedding.shed:
             self._give_up(g.item, None, g.status, g.text, now, None, out, g.reason)
         candidates = shedding.kept
-        # two reads at once (one round trip, not two)
-        sight, money = await asyncio.gather(
-            self._see(now, blind), self._price(candidates, now, blind)
-        )
+        if reads is None:  # two reads at once (one round trip, not two)
+            sight, money = await asyncio.gather(
+                self._see(now, blind), self._price(candidates, now, blind)
+            )
+        else:
+            sight, money = reads.sight, await self._price(candidates, now, blind, reads.spent)
         admission = admit(
             candidates,
             [p.first_seen_s for p in candidates],
@@ -699,7 +743,7 @@ class RouterService:
             taken = await self.state.mark_intent_many(intents)
             if taken:
                 await self._drop_taken(taken, intents, out, candidates)
-            await self._touch_prefixes(plan.routed, taken)
+            out.prefix_touches = self._prefix_touches(plan.routed, taken)
 
     def _predicted_cached(
         self, routed: Sequence[tuple[Pending, Decision]], views: Sequence[InstanceView]
@@ -718,13 +762,13 @@ class RouterService:
         )
         return {p.query.id: h for (p, _), h in zip(local, hits, strict=True) if h is not None}
 
-    async def _touch_prefixes(
+    def _prefix_touches(
         self, routed: Sequence[tuple[Pending, Decision]], taken: Mapping[str, str]
-    ) -> None:
-        """The routed queries' whole prefix blocks become the most recent in their local
+    ) -> list[PrefixTouch]:
+        """The routed queries' whole prefix blocks, to become the most recent in their local
         instance's prefix-cache model (``state.prefix``: an LRU of the instance's KV-cache
-        tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
-        One pipelined call; a query another router had taken is skipped."""
+        tokens) once produced (``_commit``); the next window's snapshot reads them back
+        (``InstanceView.prefix_hashes``). A query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
         for p, d in routed:
             if p.query.id in taken:
@@ -733,8 +777,7 @@ class RouterService:
             touch = touch_of(iid, p.query, self.cluster.model_of(iid))
             if touch is not None:
                 touches.append(touch)
-        if touches:
-            await self.state.prefix_touch_many(touches)
+        return touches
 
     async def _see(self, now: float, blind: bool) -> Sight:
         """Stage 1: the live instances' views (from Redis, or the blind ledger's memory)."""
@@ -765,21 +808,40 @@ class RouterService:
             self.metrics.instance_stale.labels(v.instance_id).set(1 if v.stale else 0)
         return Sight(views, excluded)
 
-    async def _price(self, candidates: Sequence[Pending], now: float, blind: bool) -> Money:
-        """Stage 2: what the window may spend (``streams.views.window_budget``: pacing)."""
-        tenants = list(dict.fromkeys(p.query.tenant for p in candidates))
-        period_ids = {
+    async def _read(self, now: float, tenants: Sequence[str]) -> Reads:
+        """Stages 1 and 2's reads at once: the snapshots (``_see``) and what each of
+        ``tenants`` has spent in its period at ``now``."""
+        sight, spent = await asyncio.gather(
+            self._see(now, False), self._spent(self._period_ids(tenants, now))
+        )
+        return Reads(now, sight, spent)
+
+    def _period_ids(self, tenants: Sequence[str], now: float) -> dict[str, str]:
+        """Tenant -> its ledger period at ``now`` (tenants with a budget)."""
+        return {
             t: self._period_id(now, self._budgets[t].period_s)
             for t in tenants
             if t in self._budgets
         }
+
+    async def _price(
+        self,
+        candidates: Sequence[Pending],
+        now: float,
+        blind: bool,
+        read: Mapping[str, float] | None = None,
+    ) -> Money:
+        """Stage 2: what the window may spend (``streams.views.window_budget``: pacing).
+        ``read``: what each tenant has spent, read already (``_read``) at the same ``now``."""
+        tenants = list(dict.fromkeys(p.query.tenant for p in candidates))
+        period_ids = self._period_ids(tenants, now)
         if blind:  # what the router may spend is the blind allowance
             spent = {
                 t: self._budgets[t].budget_usd - self._blind.allowance(t, pid)
                 for t, pid in period_ids.items()
             }
         else:
-            spent = await self._spent(period_ids)
+            spent = await self._spent(period_ids) if read is None else dict(read)
             self.metrics.observe_budgets(
                 {t: b.budget_usd for t, b in self._budgets.items()}, spent
             )
@@ -1112,14 +1174,19 @@ class RouterService:
         p.announced = True
 
     async def _spent(self, period_ids: Mapping[str, str]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for tenant, pid in period_ids.items():
-            status = await self.state.budget_status(tenant, pid)
-            out[tenant] = _spent_usd(status)
-        return out
+        """Each tenant's reserved + settled spend in its period (every tenant at once)."""
+        statuses = await asyncio.gather(
+            *(self.state.budget_status(t, pid) for t, pid in period_ids.items())
+        )
+        return {t: _spent_usd(s) for t, s in zip(period_ids, statuses, strict=True)}
 
     async def _mark_routed(self, marks: Mapping[str, str]) -> None:
         await self.state.mark_routed_many(dict(marks))
+
+    async def _touch_prefixes(self, touches: Sequence[PrefixTouch]) -> None:
+        """The produced queries' prefix blocks become the most recent (one pipelined call)."""
+        if touches:
+            await self.state.prefix_touch_many(list(touches))
 
     async def _produce(self, outs: list[tuple[str, bytes, bytes]]) -> None:
         if not outs:
@@ -1266,6 +1333,14 @@ def _transient(exc: BaseException) -> bool:
 def _state_error(exc: BaseException) -> bool:
     """Redis unreachable (the window can be routed blind instead of retried)."""
     return isinstance(exc, StateUnavailable) or type(exc).__module__.startswith("redis")
+
+
+_T = TypeVar("_T")
+
+
+async def _answer(value: _T) -> _T:
+    """``value`` as an awaitable (a read a window does not need, in a ``gather``)."""
+    return value
 
 
 def _spent_usd(status: Any) -> float:

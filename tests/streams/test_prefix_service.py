@@ -16,7 +16,7 @@ import pytest
 
 from routing.policies import RouterContext, make_router
 from schemas import RoutedQuery
-from state import StateStore, period_id
+from state import StateStore, StateUnavailable, period_id
 from state.prefix import PrefixTouch
 from streams.app import BatchSink
 from streams.service import Inbound, RouterConfig, RouterService
@@ -101,6 +101,58 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
                    if RoutedQuery.model_validate_json(v).query.id == f"{rid}-t2"]  # fmt: skip
         assert [str(d.instance_id) for d in decided] == [twin]
         assert decided[0].predicted_cached_tokens == 512 * len(other)
+    finally:
+        await producer.stop()
+        await store.close()
+
+
+class _TouchesFail:
+    """A store whose prefix touches find Redis away (everything else goes through)."""
+
+    def __init__(self, inner: StateStore) -> None:
+        self._inner = inner
+        self.tries = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    async def prefix_touch_many(self, touches: object) -> list[int]:
+        self.tries += 1
+        raise StateUnavailable("injected: Redis away for the prefix touches")
+
+
+async def test_prefix_touches_go_after_the_produce_and_their_failure_loses_nothing(
+    kafka_bootstrap: str, redis_url: str
+) -> None:
+    """The touches go with the routed marks, after the produce: a Redis that fails them
+    leaves the query routed once and marked routed (a redelivery is dropped), and the
+    window finished; the model only misses those blocks until the worker touches them."""
+    rid = "pf" + uuid.uuid4().hex[:6]
+    cfg = service_cluster(rid)
+    store = await StateStore.connect(redis_url, namespace=f"t{rid}")
+    producer, routes = await service_io(kafka_bootstrap, cfg)
+    try:
+        for inst in cfg.instances:
+            spec = cfg.model(inst.model)
+            await store.heartbeat(inst.id, spec.name, 60.0, spec.max_concurrency)
+        router = make_router("batch-ilp-sfs", RouterContext.build(cfg, FakeQuality()))
+        failing = _TouchesFail(store)
+        svc = RouterService(cfg, router, failing, BatchSink(producer),  # type: ignore[arg-type]
+                            RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+        since = int(time.time() * 1000)
+        raw = json.dumps({"id": f"{rid}-q", "prompt": "a conversation so far",
+                          "prompt_tokens": 512 * 4 + 100, "prefix_hashes": [31, 32, 33, 34],
+                          "prefix_block_tokens": 512}).encode()  # fmt: skip
+        outcome, unfinished = await svc.handle([Inbound(raw, "queries", 0, 0)])
+        assert outcome.routed == 1 and unfinished == [] and failing.tries == 1
+        # a redelivery of the same record: already routed, dropped (the marks went through)
+        again, _ = await svc.handle([Inbound(raw, "queries", 0, 0)])
+        assert again.routed == 0 and again.dropped_duplicates == 1
+        copies = await read_topic(kafka_bootstrap, routes, since, lambda got: len(got) >= 1)
+        ids = [RoutedQuery.model_validate_json(v).query.id for _, v in copies]
+        assert ids.count(f"{rid}-q") == 1
+        live = await store.snapshots([i.id for i in cfg.instances], time.time())
+        assert all(s.prefix_hashes is None or s.prefix_hashes.size == 0 for s in live.values())
     finally:
         await producer.stop()
         await store.close()
