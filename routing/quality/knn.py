@@ -27,8 +27,9 @@ training rows and averages over its ``prototype_k`` most similar prototypes:
 with the same clipped similarity and pseudo-count c; ``prototype_k`` 0 (auto) takes the
 prototypes that hold ``k`` training rows on average. With one training row per prototype
 (``prototypes >= n_train``, auto or ``prototype_k == k``) this is the exact estimator
-above, to float32 rounding. The similarities are taken in the same fixed blocks, so a query still
-predicts the same alone as in any window.
+above, to float32 rounding. The centroids are scored in the same fixed blocks and each
+row's weighted sums are a product of its own, so a query still predicts the same alone as
+in any window.
 """
 
 from __future__ import annotations
@@ -335,4 +336,8 @@ class KNNEstimator:
                 raise ValueError("a prototype kNN artefact without its centroids and labels")
             e.C = np.ascontiguousarray(arrays["C"], dtype=np.float32)
             e.labels = np.asarray(arrays["labels"], dtype=np.int64)
+            if e.labels.shape != (len(e.Z),) or not 0 <= e.labels.min() <= e.labels.max() < len(
+                e.C
+            ):
+                raise ValueError("prototype labels that do not match the training rows")
         return e

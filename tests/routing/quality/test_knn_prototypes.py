@@ -171,3 +171,7 @@ def test_artefact_round_trip() -> None:
     np.savez(buf, **kept)
     with pytest.raises(ArtefactError, match="centroids"):
         predictor_from_bytes(buf.getvalue())
+    params, arrays = e0.state()
+    arrays["labels"] = np.full_like(arrays["labels"], len(arrays["C"]))  # no such prototype
+    with pytest.raises(ValueError, match="labels"):
+        KNNEstimator.from_state(params, arrays)
