@@ -38,15 +38,15 @@ def test_one_row_per_prototype_is_the_exact_estimator(
     X, Y = _xy(700, 16, 5, seed=0)
     X[5] = X[4]  # duplicated rows stay prototypes of their own
     exact = KNNEstimator(k=20, semantic_dims=semantic_dims).fit(X, Y, 6, seed=1)
-    proto = KNNEstimator(
+    per_row = KNNEstimator(
         k=20, semantic_dims=semantic_dims, prototypes=len(X) + 50, prototype_k=prototype_k
     ).fit(X, Y, 6, seed=1)
-    assert proto.prototypes_per_query() == 20  # auto: k itself with one row per prototype
-    assert proto.C is not None and proto.labels is not None
-    np.testing.assert_array_equal(proto.C, exact.Z)
-    np.testing.assert_array_equal(proto.labels, np.arange(len(X)))
+    assert per_row.prototypes_per_query() == 20  # auto: k itself with one row per prototype
+    assert per_row.C is not None and per_row.labels is not None
+    np.testing.assert_array_equal(per_row.C, exact.Z)
+    np.testing.assert_array_equal(per_row.labels, np.arange(len(X)))
     q = np.vstack([_queries(150, 16, seed=2), X[:20]])
-    a, b = exact.predict_replicates(q), proto.predict_replicates(q)
+    a, b = exact.predict_replicates(q), per_row.predict_replicates(q)
     assert a.shape == b.shape == (6, len(q), 5)
     np.testing.assert_allclose(b, a, rtol=0, atol=PRED_ATOL)
 
