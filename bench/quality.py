@@ -83,7 +83,11 @@ def speed(pred: Any, texts: list[str], repeats: int) -> dict[str, float]:
 
 
 def speed_20_models(
-    estimators: list[str], texts: list[str], replicates: int, repeats: int
+    estimators: list[str],
+    texts: list[str],
+    replicates: int,
+    repeats: int,
+    estimator_kwargs: dict[str, dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """The issue's speed case (1,024 x 20 models) even without the 20-model data: dc9 texts
     with 20 synthetic models (scores drawn from Bernoulli(0.2..0.8)); timing only."""
@@ -104,7 +108,9 @@ def speed_20_models(
     )
     rows = []
     for est in estimators:
-        pred = train_predictor(data, est, n_replicates=replicates, seed=0)
+        pred = train_predictor(
+            data, est, n_replicates=replicates, seed=0, estimator_kwargs=estimator_kwargs.get(est)
+        )
         rows.append(
             {
                 "estimator": est,
@@ -123,6 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "replicates": args.replicates,
         "level": args.level,
         "budget_fractions": list(FRACTIONS),
+        "estimator_kwargs": args.estimator_kwargs,
         "results": [],
         "level_sweep": [],
     }
@@ -133,13 +140,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for feat, est in [(f, e) for f in args.featurizers.split(",") for e in estimators]:
             t = time.perf_counter()
             pred = train_predictor(
-                train, est, feat, n_replicates=args.replicates, level=args.level, seed=0
+                train,
+                est,
+                feat,
+                n_replicates=args.replicates,
+                level=args.level,
+                seed=0,
+                estimator_kwargs=args.estimator_kwargs.get(est),
             )
             fit_s = time.perf_counter() - t
             rep = evaluate_predictor(pred, data, FRACTIONS)
             curve = rep.pop("curve", None)
             row = {
                 "dataset": name,
+                "estimator_kwargs": args.estimator_kwargs.get(est, {}),
                 "fit_s": fit_s,
                 **rep,
                 **speed(pred, data.texts, 3 if args.quick else 9),
@@ -181,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             vendored_data("routing", "llmrouter_dc9", "scores_long.csv.gz"), "long"
         )
         report["speed_20_models"] = speed_20_models(
-            estimators, dc9.texts[:3000], args.replicates, 15
+            estimators, dc9.texts[:3000], args.replicates, 15, args.estimator_kwargs
         )
     report["seconds"] = time.perf_counter() - t0
     return report
@@ -255,6 +269,12 @@ def main() -> None:
         "--featurizers", default="hashed", help="comma list: hashed, static, hybrid (issue 13)"
     )
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the level sweep")
+    ap.add_argument(
+        "--estimator-kwargs",
+        type=json.loads,
+        default={},
+        help='JSON: per estimator, its settings, e.g. \'{"knn": {"prototypes": 512, "prototype_k": 8}}\'',
+    )
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--level", type=float, default=0.9)
     ap.add_argument("--out", type=Path, help="also write the JSON report here")

@@ -45,6 +45,11 @@ class PredictorRecipe:
     replicates: int = 8
     level: float = 0.9
     seed: int = 0
+    # knn only: the training rows clustered into this many prototypes, each query scoring
+    # those (0: every training row, exact neighbours); prototype_k 0: as many prototypes as
+    # hold k rows on average (routing/quality/knn.py; docs/benchmarks/quality.md)
+    prototypes: int = 1024
+    prototype_k: int = 0
 
     @property
     def data_path(self) -> Path:
@@ -115,6 +120,11 @@ def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityP
         recipe.replicates,
         recipe.level,
         seed=recipe.seed,
+        estimator_kwargs=(
+            {"prototypes": recipe.prototypes, "prototype_k": recipe.prototype_k}
+            if recipe.estimator == "knn"
+            else None
+        ),
         minilm=None if recipe.featurizer == "hashed" else minilm_source(),
     )
     pred.meta.update({"recipe": asdict(recipe), "data": recipe.data, "format": recipe.format})

@@ -71,7 +71,10 @@ def _estimator_from_state(
     cls: Any = {"knn": KNNEstimator, "gbdt": GBDTEstimator, "irt": IRTEstimator}.get(name)
     if cls is None:
         raise ArtefactError(f"unknown estimator {name!r} in artefact")
-    return cls.from_state(params, arrays)
+    try:
+        return cls.from_state(params, arrays)
+    except (KeyError, ValueError) as e:
+        raise ArtefactError(f"estimator {name!r}: {e}") from None
 
 
 @dataclass

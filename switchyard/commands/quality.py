@@ -62,6 +62,19 @@ def register(app: typer.Typer) -> None:
             help="Queries held out from training (for eval-quality); 0 = train on all",
         ),
         seed: int = typer.Option(0, "--seed"),
+        prototypes: int = typer.Option(
+            1024,
+            "--prototypes",
+            min=0,
+            help="knn: cluster the training queries into this many prototypes and score those "
+            "(0: every training query, exact neighbours)",
+        ),
+        prototype_k: int = typer.Option(
+            0,
+            "--prototype-k",
+            min=0,
+            help="knn: prototypes per query (0: as many as hold k=48 training queries on average)",
+        ),
         blas_threads: int = typer.Option(
             1, "--blas-threads", min=0, help="OpenBLAS threads while training (0: leave as is)"
         ),
@@ -96,6 +109,11 @@ def register(app: typer.Typer) -> None:
                 replicates,
                 level,
                 seed=seed,
+                estimator_kwargs=(
+                    {"prototypes": prototypes, "prototype_k": prototype_k}
+                    if estimator == "knn"
+                    else None
+                ),
                 minilm=None if featurizer == "hashed" else minilm_source(),
             )
         except (RuntimeError, ValueError) as e:

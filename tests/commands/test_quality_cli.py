@@ -172,3 +172,21 @@ def test_nq_records_with_vendored_prices(tmp_path: Path) -> None:
     rep = json.loads(res.output)
     assert rep["n_queries"] == 100
     assert rep["output_length_mae_tokens"] is not None and rep["output_length_mae_tokens"] > 0
+
+
+def test_train_knn_prototypes_reach_the_artefact(tmp_path: Path) -> None:
+    from loaders.predictor import load_predictor
+
+    data = _data(tmp_path)
+    for extra, want in (([], (1024, 0)), (["--prototypes", "16", "--prototype-k", "3"], (16, 3))):
+        out = tmp_path / f"pred{len(extra)}.npz"
+        base = ["train", "--data", str(data), "--format", "long", "--estimator", "knn"]
+        res = runner.invoke(app, [*base, "--out", str(out), "--replicates", "3", *extra])
+        assert res.exit_code == 0, res.output
+        est = load_predictor(out).estimator
+        assert (est.prototypes, est.prototype_k) == want
+        # ~150 fit rows: 1,024 prototypes are one row each (exact kNN); 16 are clusters
+        if want[0] == 1024:
+            np.testing.assert_array_equal(est.C, est.Z)
+        else:
+            assert len(est.C) == 16 < len(est.Z)
