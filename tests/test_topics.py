@@ -4,6 +4,7 @@ created (a group joined earlier gets an empty assignment: faults scenario 4, bug
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,8 +28,9 @@ class Admin:
     async def list_topics(self) -> list[str]:
         return self.existing
 
-    async def create_topics(self, new: list[Any]) -> None:
+    async def create_topics(self, new: list[Any]) -> Any:
         self.created += [t.name for t in new]
+        return SimpleNamespace(topic_errors=[(t.name, 0, None) for t in new])
 
     async def describe_topics(self, names: list[str]) -> list[dict[str, Any]]:
         self.described += 1
@@ -112,3 +114,34 @@ async def test_replication_above_the_broker_count_is_an_error_naming_it(
         await kafka_admin.ensure_topics(
             {"bootstrap_servers": kafka_bootstrap}, [name], min_insync_replicas=2
         )
+
+
+class _Refusing(Admin):
+    """An admin whose broker answers CreateTopics with ``codes`` per topic (in order)."""
+
+    def __init__(self, codes: list[int]) -> None:
+        super().__init__(lag=0)
+        self.codes = codes
+
+    async def create_topics(self, new: list[Any]) -> Any:
+        return SimpleNamespace(
+            topic_errors=[(t.name, c, None) for t, c in zip(new, self.codes, strict=True)]
+        )
+
+
+async def test_a_topic_that_exists_already_is_not_reported_created(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """list_topics asked a broker whose metadata lagged: the create answers "exists" (36)
+    for the topic another broker already holds; only the other is reported created."""
+    monkeypatch.setattr("aiokafka.admin.AIOKafkaAdminClient", lambda **_: _Refusing([36, 0]))
+    assert await kafka_admin.ensure_topics({}, ["route.old", "route.new"]) == ["route.new"]
+
+
+async def test_a_topic_kafka_refuses_is_an_error_naming_it_and_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("aiokafka.admin.AIOKafkaAdminClient", lambda **_: _Refusing([0, 38]))
+    with pytest.raises(kafka_admin.TopicSettingsError) as err:
+        await kafka_admin.ensure_topics({"bootstrap_servers": "b:9092"}, ["ok", "bad"])
+    assert "Kafka at b:9092 refused to create bad (InvalidReplicationFactorError" in str(err.value)

@@ -37,7 +37,6 @@ async def ensure_topics(
     ``kafka_kwargs`` is ``Settings.kafka_kwargs()`` (bootstrap, security, SASL/TLS).
     """
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import TopicAlreadyExistsError
 
     wanted = list(dict.fromkeys(names))
     isr = min_insync_replicas or min(2, replication_factor)
@@ -55,32 +54,55 @@ async def ensure_topics(
         if not missing:
             return []
         configs = {"min.insync.replicas": str(isr)} if replication_factor > 1 else {}
-        try:
-            await admin.create_topics(
-                [
-                    NewTopic(
-                        n,
-                        num_partitions=partitions,
-                        replication_factor=replication_factor,
-                        topic_configs=configs,
-                    )
-                    for n in missing
-                ]
-            )
-        except TopicAlreadyExistsError:
-            pass  # another process created it between list and create
+        response = await admin.create_topics(
+            [
+                NewTopic(
+                    n,
+                    num_partitions=partitions,
+                    replication_factor=replication_factor,
+                    topic_configs=configs,
+                )
+                for n in missing
+            ]
+        )
+        created = _created(response, missing, kafka_kwargs.get("bootstrap_servers", "?"))
         await _until_visible(admin, missing, visible_timeout_s)
         if replication_factor > 1:
             # a topic another client created a moment ago may be missing from list_topics
             # and refused as existing by create_topics: check every topic's replicas now
             await _check_replication(admin, kafka_kwargs, wanted, [], replication_factor)
-        return missing
+        return created
     finally:
         await admin.close()
 
 
 class TopicSettingsError(RuntimeError):
     """The cluster cannot hold the topics as configured (too few brokers or replicas)."""
+
+
+def _created(response: Any, asked: list[str], where: str) -> list[str]:
+    """The topics of ``asked`` that a CreateTopics ``response`` says were created. One that
+    exists already (another process, or a broker whose metadata lagged behind the one that
+    listed the topics, created it) was not; any other per-topic error raises
+    ``TopicSettingsError`` naming the topic and Kafka's error (the broker answers errors in
+    the response, it does not raise them)."""
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    created: list[str] = []
+    refused: list[str] = []
+    for entry in response.topic_errors:  # (topic, error code[, message]) by version
+        name, code = entry[0], int(entry[1])
+        if code == 0:
+            created.append(name)
+            continue
+        error = for_code(code)
+        if error is TopicAlreadyExistsError:
+            continue
+        message = entry[2] if len(entry) > 2 and entry[2] else error.description
+        refused.append(f"{name} ({error.__name__}: {message})")
+    if refused:
+        raise TopicSettingsError(f"Kafka at {where} refused to create {', '.join(refused)}")
+    return [n for n in asked if n in set(created)]
 
 
 async def _check_replication(
