@@ -866,13 +866,7 @@ class RouterService:
             if tenant in money.tenant_windows
         ]
         # the worst case, not the prediction: settling the real cost never overspends
-        amounts = [
-            {
-                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for _, p, d in group
-            }
-            for _, group in calls
-        ]
+        amounts = [self._worst_costs(group) for _, group in calls]
         oks = await asyncio.gather(
             *(
                 self.state.reserve_budget(tw.tenant, tw.period_id, tw.limit_usd, a)
@@ -891,6 +885,24 @@ class RouterService:
                 tw.tenant, tw.period_id, tw.limit_usd, money.spent[tw.tenant] + taken
             )
         return lost
+
+    def _worst_costs(self, group: Sequence[_Placed]) -> dict[str, float]:
+        """Query id -> ``ModelSpec.max_cost_usd`` of the query on its instance's model, in
+        ``group``'s order: one ``max_costs_usd`` array per model (the same floats)."""
+        by_model: dict[str, list[int]] = {}
+        model_name: dict[str, str] = {}  # instance id -> its model's name, once
+        for j, (_, _, d) in enumerate(group):
+            iid = str(d.instance_id)
+            name = model_name.get(iid)
+            if name is None:
+                name = model_name[iid] = self.cluster.model_of(iid).name
+            by_model.setdefault(name, []).append(j)
+        costs = [0.0] * len(group)
+        for name, rows in by_model.items():
+            worst = self.cluster.model(name).max_costs_usd([group[j][1].query for j in rows])
+            for j, usd in zip(rows, worst.tolist(), strict=True):
+                costs[j] = usd
+        return {t[1].query.id: usd for t, usd in zip(group, costs, strict=True)}
 
     async def _reserve_slots(self, placed: Sequence[_Placed]) -> dict[int, Lost]:
         """One atomic call per instance (the instances' calls at once)."""
