@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -156,6 +157,11 @@ class Keys:
     # per query
     def dedupe(self, query_id: str) -> str:
         return _dedupe_key(self.namespace, query_id)
+
+    def dedupes(self, query_ids: Iterable[str]) -> list[str]:
+        """``dedupe`` of each query id (a window's, without a method call per id)."""
+        ns = self.namespace
+        return [_dedupe_key(ns, q) for q in query_ids]
 
     def result(self, query_id: str) -> str:
         return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"

@@ -73,6 +73,7 @@ from schemas import (
     DecisionFlag,
     DecisionStatus,
     Limits,
+    ModelSpec,
     Query,
     Result,
     ResultCode,
@@ -425,10 +426,13 @@ class RouterService:
         await self._produce(out.outs)
         self._stage = "commit"
         marks = out.routed_marks
-        shas = {p.query.id: p.sha for p in candidates if p.query.id in marks}
-        for p in candidates:  # produced and acknowledged: tell the rescuer where each went
-            if isinstance(p.inbound.handle, Adopted) and p.query.id in marks:
-                p.inbound.handle.routed(marks[p.query.id])
+        shas: dict[str, str] = {}
+        for p in candidates:
+            qid = p.query.id
+            if qid in marks:
+                shas[qid] = p.sha
+                if isinstance(p.inbound.handle, Adopted):  # acknowledged: tell its rescuer
+                    p.inbound.handle.routed(marks[qid])
         if blind:
             self._blind.routed(marks, shas)
         elif marks:
@@ -726,11 +730,16 @@ class RouterService:
         tokens), which the next window's snapshot reads back (``InstanceView.prefix_hashes``).
         One pipelined call; a query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
+        local: dict[str, ModelSpec | None] = {}  # instance id -> its model when local, once
         for p, d in routed:
-            if p.query.id in taken:
-                continue
             iid = str(d.instance_id)
-            touch = touch_of(iid, p.query, self.cluster.model_of(iid))
+            spec = local.get(iid, _UNSEEN)
+            if spec is _UNSEEN:
+                model = self.cluster.model_of(iid)
+                spec = local[iid] = model if model.kind == "local" else None
+            if spec is None or p.query.id in taken:  # a cloud model: no cache of ours
+                continue
+            touch = touch_of(iid, p.query, spec)
             if touch is not None:
                 touches.append(touch)
         if touches:
@@ -1240,6 +1249,8 @@ class RouterService:
 
 # the code of a given-up query's error Result, by why it was given up (else ``not_routed``)
 _RESULT_CODES = {HoldReason.BUDGET: ResultCode.INSUFFICIENT_QUOTA, HoldReason.SHED: ResultCode.SHED}
+
+_UNSEEN: Any = object()  # a per-window memo's miss (its values may be None)
 
 _Placed = tuple[int, Pending, Decision]  # a query the router placed: position in asked, it, how
 
