@@ -180,7 +180,9 @@ class Query(BaseModel):
     def text_size_bytes(self) -> int:
         """UTF-8 bytes of ``text()``, measured once per query (the router asks for it in
         several places of a window: reservation, prefix model, cost and length estimates)."""
-        return len(self.text().encode("utf-8", "surrogatepass"))
+        text = self.text()
+        # ASCII is one byte a character (``isascii`` reads a flag the string keeps)
+        return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
     @_memo
     def text_prefix_hashes(self) -> tuple[int, ...]:

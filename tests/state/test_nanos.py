@@ -18,7 +18,9 @@ _TINY = st.floats(min_value=0.0, max_value=1e-6, allow_nan=False)  # around the 
 def test_each_is_usd_to_nano(usds: list[float]) -> None:
     ids = [f"q{i}" for i in range(len(usds))]
     try:
-        want: list[int] | str = [usd_to_nano(u, "amount", q) for u, q in zip(usds, ids, strict=True)]
+        want: list[int] | str = [
+            usd_to_nano(u, "amount", q) for u, q in zip(usds, ids, strict=True)
+        ]
     except ValueError as exc:  # the cap, right at its edge
         want = str(exc)
     try:
