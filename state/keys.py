@@ -174,5 +174,12 @@ class Keys:
             return _checked_query_id(query_id)
         return _check(_QUERY, query_id, "query id")
 
+    def check_query_ids(self, query_ids: Iterable[str]) -> list[str]:
+        """``check_query_id`` of each (a window's reservation, without a method call per id)."""
+        return [
+            _checked_query_id(q) if type(q) is str else _check(_QUERY, q, "query id")
+            for q in query_ids
+        ]
+
     def check_instance_id(self, instance_id: str) -> str:
         return _check(_INSTANCE, instance_id, "instance id")

@@ -56,8 +56,7 @@ class RedisLedger(RedisCore):
             usd_to_nano(limit_usd, "limit_usd", round_up=False),
             ledger_expire_at(period_id),
         ]
-        check = self.keys.check_query_id
-        qids = "\n".join([check(qid) for qid in amounts_usd])
+        qids = "\n".join(self.keys.check_query_ids(amounts_usd))
         nanos = usd_to_nanos(list(amounts_usd.values()), "amount", list(amounts_usd))
         # the ids in one argument, their amounts in another (reserve_budget.lua)
         reply = await self._script("reserve_budget", keys, [*args, qids, "\n".join(map(str, nanos))])
