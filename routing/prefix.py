@@ -55,7 +55,7 @@ _EMPTY_HASHES: HashArray = np.zeros(0, dtype=np.uint64)
 def query_block_hashes(q: Query) -> tuple[HashArray, float]:
     """A query's prefix block hashes (``Query.prefix_blocks``) as an array, and tokens per
     block."""
-    hashes, block = q.prefix_blocks()
+    hashes, block = q.prefix_identity  # once per query, not copied (``Query.prefix_blocks``)
     return (np.asarray(hashes, dtype=np.uint64) if hashes else _EMPTY_HASHES), block
 
 

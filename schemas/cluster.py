@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.query import TENANT_PATTERN, Query
@@ -158,6 +160,25 @@ class ModelSpec(BaseModel):
         plus chat-template overhead), output bounded by the cap the worker sends the engine.
         """
         return self.cost_usd(query.prompt_tokens_upper_bound(), self.output_cap_tokens(query))
+
+    def max_costs_usd(self, queries: Sequence[Query]) -> npt.NDArray[np.float64]:
+        """``max_cost_usd`` of each query, as one array: the same floats (the same
+        operations in the same order, elementwise), at under half the Python per query;
+        the router reserves a window's worst cases with it."""
+        n = len(queries)
+        prompt = np.fromiter([q.prompt_tokens_upper_bound() for q in queries], np.float64, n)
+        own = np.fromiter([q.output_cap_tokens() or 0 for q in queries], np.float64, n)
+        cap = own
+        if n and not own.all():  # a query without a cap of its own: the model's default
+            estimated = np.fromiter([q.estimated_prompt_tokens() for q in queries], np.float64, n)
+            left = self.context_tokens() - estimated
+            default = np.maximum(1.0, np.minimum(float(self.max_output_tokens), left))
+            cap = np.where(own > 0, own, default)
+        discount = (self.input_usd_per_token - self.cached_input_price) * 0.0  # as cost_usd's
+        out: npt.NDArray[np.float64] = (
+            self.input_usd_per_token * prompt - discount + self.output_usd_per_token * cap
+        )
+        return out
 
 
 class InstanceSpec(BaseModel):

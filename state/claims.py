@@ -38,7 +38,7 @@ class RedisClaims(RedisCore):
         lease = 0.0 if lease_s is None else float(lease_s)
         if not math.isfinite(lease) or lease < 0:
             raise ValueError(f"lease_s must be a finite number >= 0, got {lease_s}")
-        ids = [self.keys.check_query_id(q) for q in query_ids]
+        ids = self.keys.check_query_ids(query_ids)
         reply = await self._script(  # the ids in one argument (reserve_slots.lua)
             "reserve_slots", [self.keys.slots(instance_id)], [max_slots, repr(lease), "\n".join(ids)]
         )

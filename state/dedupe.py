@@ -34,8 +34,7 @@ class RedisDedupe(RedisCore):
     def _joined_keys(self, query_ids: Iterable[str]) -> str:
         """A single Redis's one call: the query ids' dedupe keys as one argument, joined by
         '\n' (no key holds one: ``state.keys``; read by ``lua/_window_keys.lua``)."""
-        key = self.keys.dedupe
-        return "\n".join([key(q) for q in query_ids])
+        return "\n".join(self.keys.dedupes(query_ids))
 
     async def dedupe(self, query_id: str, body_sha256: str, ttl_s: float) -> Verdict:
         """``new`` the first time an id is seen, then ``duplicate`` (same body) or ``conflict``."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -157,6 +158,11 @@ class Keys:
     def dedupe(self, query_id: str) -> str:
         return _dedupe_key(self.namespace, query_id)
 
+    def dedupes(self, query_ids: Iterable[str]) -> list[str]:
+        """``dedupe`` of each query id (a window's, without a method call per id)."""
+        ns = self.namespace
+        return [_dedupe_key(ns, q) for q in query_ids]
+
     def result(self, query_id: str) -> str:
         return f"{self.namespace}:result:{{{_check(_QUERY, query_id, 'query id')}}}"
 
@@ -167,6 +173,13 @@ class Keys:
         if type(query_id) is str:
             return _checked_query_id(query_id)
         return _check(_QUERY, query_id, "query id")
+
+    def check_query_ids(self, query_ids: Iterable[str]) -> list[str]:
+        """``check_query_id`` of each (a window's reservation, without a method call per id)."""
+        return [
+            _checked_query_id(q) if type(q) is str else _check(_QUERY, q, "query id")
+            for q in query_ids
+        ]
 
     def check_instance_id(self, instance_id: str) -> str:
         return _check(_INSTANCE, instance_id, "instance id")

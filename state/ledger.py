@@ -20,6 +20,7 @@ from state.redis_core import (
     is_cluster_client,
     period_bounds,
     usd_to_nano,
+    usd_to_nanos,
 )
 
 LEDGER_KEEP_S = 86_400.0  # a ledger period stays readable this long after it ends
@@ -55,11 +56,10 @@ class RedisLedger(RedisCore):
             usd_to_nano(limit_usd, "limit_usd", round_up=False),
             ledger_expire_at(period_id),
         ]
-        check = self.keys.check_query_id
-        qids = "\n".join([check(qid) for qid in amounts_usd])
-        nanos = "\n".join([str(usd_to_nano(usd, "amount", q)) for q, usd in amounts_usd.items()])
+        qids = "\n".join(self.keys.check_query_ids(amounts_usd))
+        nanos = usd_to_nanos(list(amounts_usd.values()), "amount", list(amounts_usd))
         # the ids in one argument, their amounts in another (reserve_budget.lua)
-        reply = await self._script("reserve_budget", keys, [*args, qids, nanos])
+        reply = await self._script("reserve_budget", keys, [*args, qids, "\n".join(map(str, nanos))])
         return {qid: bool(ok) for qid, ok in zip(amounts_usd, reply, strict=True)}
 
     async def release_budget(self, tenant: str, period_id: str, query_ids: Sequence[str]) -> None:

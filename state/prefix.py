@@ -52,7 +52,7 @@ def touch_of(
     engine; None for a cloud model (no cache of ours) or a prompt shorter than one block."""
     if spec.kind != "local":
         return None
-    hashes, block_tokens = q.prefix_blocks()
+    hashes, block_tokens = q.prefix_identity  # once per query (``Query.prefix_blocks``)
     n = full_blocks(len(hashes), q.estimated_prompt_tokens(), block_tokens)
     if n <= 0:
         return None

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Sequence
 from importlib import resources
 from typing import Any, TypeVar, cast
 
+import numpy as np
+import numpy.typing as npt
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -181,6 +183,24 @@ def usd_to_nano(usd: float, what: str, query_id: str = "", *, round_up: bool = T
             f"{what} = {usd} USD is over the ledger's cap of {MAX_LEDGER_NANO / NANO_PER_USD:.0f} USD"
         )
     return nano
+
+
+def usd_to_nanos(usds: Sequence[float], what: str, query_ids: Sequence[str]) -> list[int]:
+    """``usd_to_nano`` (rounded up) of each amount, the amount of ``query_ids``' query of
+    the same position: the same integers, computed as one array when every amount is a
+    plain finite float within the cap (else one by one, which names the one at fault)."""
+    if all(type(u) is float for u in usds):
+        scaled = np.array(usds, dtype=np.float64) * NANO_PER_USD
+        # math.ceil of a double is that double's integer: np.ceil's, held exactly below 2**53
+        nano = np.maximum(np.ceil(scaled - 1e-6), 0.0)
+        if nano.size == 0 or (np.isfinite(scaled).all() and _usds_ok(usds, nano)):
+            return cast(list[int], nano.astype(np.int64).tolist())
+    return [usd_to_nano(u, what, q) for u, q in zip(usds, query_ids, strict=True)]
+
+
+def _usds_ok(usds: Sequence[float], nano: npt.NDArray[np.float64]) -> bool:
+    """Every amount >= 0 and every rounded amount within the ledger's cap."""
+    return bool(min(usds) >= 0 and nano.max() <= MAX_LEDGER_NANO)
 
 
 def _seconds_ms(value: float, what: str) -> int:

@@ -77,6 +77,7 @@ from schemas import (
     DecisionFlag,
     DecisionStatus,
     Limits,
+    ModelSpec,
     Query,
     Result,
     ResultCode,
@@ -444,10 +445,13 @@ class RouterService:
         await self._produce(out.outs)
         self._stage = "commit"
         marks = out.routed_marks
-        shas = {p.query.id: p.sha for p in candidates if p.query.id in marks}
-        for p in candidates:  # produced and acknowledged: tell the rescuer where each went
-            if isinstance(p.inbound.handle, Adopted) and p.query.id in marks:
-                p.inbound.handle.routed(marks[p.query.id])
+        shas: dict[str, str] = {}
+        for p in candidates:
+            qid = p.query.id
+            if qid in marks:
+                shas[qid] = p.sha
+                if isinstance(p.inbound.handle, Adopted):  # acknowledged: tell its rescuer
+                    p.inbound.handle.routed(marks[qid])
         if blind:
             self._blind.routed(marks, shas)
         elif marks or out.prefix_touches:
@@ -770,11 +774,16 @@ class RouterService:
         tokens) once produced (``_commit``); the next window's snapshot reads them back
         (``InstanceView.prefix_hashes``). A query another router had taken is skipped."""
         touches: list[PrefixTouch] = []
+        local: dict[str, ModelSpec | None] = {}  # instance id -> its model when local, once
         for p, d in routed:
-            if p.query.id in taken:
-                continue
             iid = str(d.instance_id)
-            touch = touch_of(iid, p.query, self.cluster.model_of(iid))
+            spec = local.get(iid, _UNSEEN)
+            if spec is _UNSEEN:
+                model = self.cluster.model_of(iid)
+                spec = local[iid] = model if model.kind == "local" else None
+            if spec is None or p.query.id in taken:  # a cloud model: no cache of ours
+                continue
+            touch = touch_of(iid, p.query, spec)
             if touch is not None:
                 touches.append(touch)
         return touches
@@ -928,13 +937,7 @@ class RouterService:
             if tenant in money.tenant_windows
         ]
         # the worst case, not the prediction: settling the real cost never overspends
-        amounts = [
-            {
-                p.query.id: self.cluster.model_of(str(d.instance_id)).max_cost_usd(p.query)
-                for _, p, d in group
-            }
-            for _, group in calls
-        ]
+        amounts = [self._worst_costs(group) for _, group in calls]
         oks = await asyncio.gather(
             *(
                 self.state.reserve_budget(tw.tenant, tw.period_id, tw.limit_usd, a)
@@ -954,13 +957,36 @@ class RouterService:
             )
         return lost
 
+    def _worst_costs(self, group: Sequence[_Placed]) -> dict[str, float]:
+        """Query id -> ``ModelSpec.max_cost_usd`` of the query on its instance's model, in
+        ``group``'s order: one ``max_costs_usd`` array per model (the same floats)."""
+        by_model: dict[str, list[int]] = {}
+        model_name: dict[str, str] = {}  # instance id -> its model's name, once
+        for j, (_, _, d) in enumerate(group):
+            iid = str(d.instance_id)
+            name = model_name.get(iid)
+            if name is None:
+                name = model_name[iid] = self.cluster.model_of(iid).name
+            by_model.setdefault(name, []).append(j)
+        costs = [0.0] * len(group)
+        for name, rows in by_model.items():
+            worst = self.cluster.model(name).max_costs_usd([group[j][1].query for j in rows])
+            for j, usd in zip(rows, worst.tolist(), strict=True):
+                costs[j] = usd
+        return {t[1].query.id: usd for t, usd in zip(group, costs, strict=True)}
+
     async def _reserve_slots(self, placed: Sequence[_Placed]) -> dict[int, Lost]:
         """One atomic call per instance (the instances' calls at once)."""
         by_instance: dict[str, list[int]] = {}
         qids: dict[str, list[str]] = {}
         for k, p, d in placed:
-            by_instance.setdefault(str(d.instance_id), []).append(k)
-            qids.setdefault(str(d.instance_id), []).append(p.query.id)
+            iid = str(d.instance_id)
+            rows = by_instance.get(iid)
+            if rows is None:
+                rows = by_instance[iid] = []
+                qids[iid] = []
+            rows.append(k)
+            qids[iid].append(p.query.id)
         limits = {i: self.cluster.model_of(i).max_concurrency for i in by_instance}
         oks = await asyncio.gather(
             *(
@@ -1253,16 +1279,13 @@ class RouterService:
         """The window's routed queries in the metrics: one ``inc`` per label, not per query
         (a labelled child's lookup and lock cost microseconds each)."""
         m = self.metrics
-        statuses: Counter[DecisionStatus] = Counter()
-        instances: Counter[str] = Counter()
-        flags: Counter[DecisionFlag] = Counter()
+        # counted in C (an enum's hash is Python code: once per decision, not twice)
+        statuses = Counter([d.status for d, _ in routed])
+        instances = Counter([str(d.instance_id) for d, _ in routed])
+        flags = Counter([flag for d, _ in routed for flag in d.flags])
         spend: dict[str, float] = {}
         predicted = met = 0
         for d, q in routed:
-            statuses[d.status] += 1
-            instances[str(d.instance_id)] += 1
-            for flag in d.flags:
-                flags[flag] += 1
             cost = d.predicted_cost_usd
             if cost:
                 spend[q.tenant] = spend.get(q.tenant, 0.0) + cost
@@ -1295,6 +1318,8 @@ class RouterService:
 
 # the code of a given-up query's error Result, by why it was given up (else ``not_routed``)
 _RESULT_CODES = {HoldReason.BUDGET: ResultCode.INSUFFICIENT_QUOTA, HoldReason.SHED: ResultCode.SHED}
+
+_UNSEEN: Any = object()  # a per-window memo's miss (its values may be None)
 
 _Placed = tuple[int, Pending, Decision]  # a query the router placed: position in asked, it, how
 

@@ -170,3 +170,23 @@ def test_arbitrary_field_values_never_raise_anything_but_badmessage(
         assert exc.reason
     else:
         assert q.ttft_slo_ms > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.text(st.characters(exclude_categories=()), max_size=50)
+    | st.text(st.characters(max_codepoint=127), max_size=50),
+    chat=st.booleans(),
+)
+def test_memoised_text_measures_are_the_text_s(prompt: str, chat: bool) -> None:
+    """``text_size_bytes`` and ``prefix_blocks`` as measured from ``text()`` itself, lone
+    surrogates included (ASCII counted by its length); a copy with a new text re-measures."""
+    fields = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    q = Query.model_validate({"id": "m", **fields})
+    assert q.text_size_bytes == len(q.text().encode("utf-8", "surrogatepass"))
+    assert (
+        q.prefix_blocks() == q.prefix_blocks() == (list(q.text_prefix_hashes), q.prefix_identity[1])
+    )
+    copy = q.model_copy(update={"prompt": prompt + "é", "messages": None})
+    assert copy.text_size_bytes == len(copy.text().encode("utf-8", "surrogatepass"))
+    assert copy.prefix_identity[0] == copy.text_prefix_hashes
