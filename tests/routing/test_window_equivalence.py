@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,7 +213,13 @@ class _Replay(RouterService):
     async def _see(self, now: float, blind: bool) -> Sight:
         return Sight(list(self.script[now].views), [])
 
-    async def _price(self, candidates: Sequence[Pending], now: float, blind: bool) -> Money:
+    async def _price(
+        self,
+        candidates: Sequence[Pending],
+        now: float,
+        blind: bool,
+        read: Mapping[str, float] | None = None,
+    ) -> Money:
         b = self.script[now].budget or Budget(window_usd=window_mod.UNLIMITED_USD)
         return Money(b, {}, {}, {})
 
