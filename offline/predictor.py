@@ -53,8 +53,8 @@ class PredictorRecipe:
     prototype_k: int = 0
     # hashed featurizer only (routing/features.py): char 3-grams and words (no 4-grams), the
     # projection summed in float32; routes as well as the featurizer's own defaults (3- and
-    # 4-grams, float64) on dc9, ccf20 and nq6 at ~2.6 µs less a query (docs/benchmarks/
-    # quality.md, section "Cheaper hashed features")
+    # 4-grams, float64) on dc9, ccf20 and nq6, its features ~3.5 µs a query cheaper in the
+    # router (docs/benchmarks/quality.md "Cheaper hashed features"; service.md round nine)
     ngram_widths: tuple[int, ...] = (3,)
     feature_rank: int = 64
     projection_dtype: str = "float32"
