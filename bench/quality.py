@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from offline.blas import limit_blas_threads  # noqa: E402
 from offline.datasets import load_routing_data  # noqa: E402
 from routing.datasets import RoutingData, split_by_query  # noqa: E402
+from routing.features import make_featurizer  # noqa: E402
 from routing.quality import train_predictor  # noqa: E402
 from routing.quality.evaluate import evaluate_predictor  # noqa: E402
 from wiring.paths import shared_data, vendored_data  # noqa: E402
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "level": args.level,
         "budget_fractions": list(FRACTIONS),
         "estimator_kwargs": args.estimator_kwargs,
+        "featurizer_kwargs": args.featurizer_kwargs,
         "results": [],
         "level_sweep": [],
     }
@@ -139,10 +141,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train, _ = split_by_query(data, 0.2, seed=0)
         for feat, est in [(f, e) for f in args.featurizers.split(",") for e in estimators]:
             t = time.perf_counter()
+            fkw = args.featurizer_kwargs.get(feat)
             pred = train_predictor(
                 train,
                 est,
-                feat,
+                make_featurizer(feat, **fkw) if fkw else feat,
                 n_replicates=args.replicates,
                 level=args.level,
                 seed=0,
@@ -154,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row = {
                 "dataset": name,
                 "estimator_kwargs": args.estimator_kwargs.get(est, {}),
+                "featurizer_kwargs": fkw or {},
                 "fit_s": fit_s,
                 **rep,
                 **speed(pred, data.texts, 3 if args.quick else 9),
@@ -274,6 +278,12 @@ def main() -> None:
         type=json.loads,
         default={},
         help='JSON: per estimator, its settings, e.g. \'{"knn": {"prototypes": 512, "prototype_k": 8}}\'',
+    )
+    ap.add_argument(
+        "--featurizer-kwargs",
+        type=json.loads,
+        default={},
+        help='JSON: per featurizer, its settings, e.g. \'{"hashed": {"rank": 32}}\'',
     )
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--level", type=float, default=0.9)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from loaders.predictor import load_predictor, save_predictor
+from routing.features import Featurizer, HashedNgramFeaturizer
 from routing.quality import QualityPredictor
 from wiring.paths import REPO_ROOT
 
@@ -50,6 +51,13 @@ class PredictorRecipe:
     # hold k rows on average (routing/quality/knn.py; docs/benchmarks/quality.md)
     prototypes: int = 1024
     prototype_k: int = 0
+    # hashed featurizer only (routing/features.py): char 3-grams and words (no 4-grams), the
+    # projection summed in float32; routes as well as the featurizer's own defaults (3- and
+    # 4-grams, float64) on dc9, ccf20 and nq6, its features ~3.5 µs a query cheaper in the
+    # router (docs/benchmarks/quality.md "Cheaper hashed features"; service.md round nine)
+    ngram_widths: tuple[int, ...] = (3,)
+    feature_rank: int = 64
+    projection_dtype: str = "float32"
 
     @property
     def data_path(self) -> Path:
@@ -116,7 +124,7 @@ def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityP
     pred = train_predictor(
         data,
         recipe.estimator,
-        recipe.featurizer,
+        featurizer(recipe),
         recipe.replicates,
         recipe.level,
         seed=recipe.seed,
@@ -129,6 +137,17 @@ def train(recipe: PredictorRecipe, progress: Progress | None = None) -> QualityP
     )
     pred.meta.update({"recipe": asdict(recipe), "data": recipe.data, "format": recipe.format})
     return pred
+
+
+def featurizer(recipe: PredictorRecipe) -> str | Featurizer:
+    """The recipe's featurizer: its kind, with the recipe's settings when ``hashed``."""
+    if recipe.featurizer != "hashed":
+        return recipe.featurizer
+    return HashedNgramFeaturizer(
+        rank=recipe.feature_rank,
+        ngram_widths=recipe.ngram_widths,
+        projection_dtype=recipe.projection_dtype,
+    )
 
 
 def ensure_default_predictor(

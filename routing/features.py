@@ -4,11 +4,13 @@ Default: hashed n-grams with a low-rank projection, all numpy/scipy, no model fi
 
 1. lower-cased text, long texts cut to their first and last ``max_chars / 2`` characters
    (prompts put the question last: ``Context: ... Question: ...``);
-2. character 3- and 4-grams and whole words, hashed into ``n_buckets`` columns with
-   a polynomial rolling hash computed over all texts at once (no per-n-gram Python);
+2. character n-grams (3- and 4-grams; ``ngram_widths``) and whole words, hashed into
+   ``n_buckets`` columns with a polynomial rolling hash computed over all texts at once
+   (no per-n-gram Python);
 3. sublinear tf (1 + log count) x idf, rows L2-normalised;
 4. projection on the top ``rank`` right singular vectors of the training matrix
-   (randomised SVD: latent semantic analysis), rows L2-normalised again;
+   (randomised SVD: latent semantic analysis), summed in ``projection_dtype`` (float64, or
+   float32: half the bytes read), rows L2-normalised again;
 5. a few scalar features (log length, share of non-ASCII / digit / newline characters),
    standardised on the training texts.
 
@@ -43,6 +45,9 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplier for hash mixing
 _BASE = np.uint64(0x100000001B3)
 N_SCALAR = 5
 TRANSFORM_CHUNK = 256  # texts per pass of HashedNgramFeaturizer.transform
+# the projection's arithmetic: float64 (tf-idf values and the float32 components widened,
+# sums in float64), or float32 (both in float32: half the matrix's bytes to read per item)
+PROJECTION_DTYPES = ("float64", "float32")
 
 
 class Featurizer(Protocol):
@@ -109,8 +114,14 @@ def _keys(
     return key
 
 
-def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -> sp.csr_matrix:
-    """Sparse ``[n, n_buckets]`` counts of hashed char 3/4-grams and words."""
+def hashed_counts(
+    texts: Sequence[str],
+    n_buckets: int,
+    max_chars: int = 3000,
+    ngram_widths: Sequence[int] = (3, 4),
+) -> sp.csr_matrix:
+    """Sparse ``[n, n_buckets]`` counts of hashed char n-grams (of each of ``ngram_widths``
+    characters) and words."""
     prepped = _prep(texts, max_chars)
     n = len(prepped)
     if n == 0:
@@ -119,7 +130,7 @@ def hashed_counts(texts: Sequence[str], n_buckets: int, max_chars: int = 3000) -
     total = len(cps)
     keys: list[npt.NDArray[np.int64]] = []  # each hashed item's row-major (row, bucket) key
     with np.errstate(over="ignore"):
-        for width in (3, 4):
+        for width in ngram_widths:
             if total < width:
                 continue
             k = total - width + 1
@@ -232,17 +243,28 @@ class HashedNgramFeaturizer:
         max_chars: int = 3000,
         seed: int = 0,
         fit_max_texts: int = 4000,
+        ngram_widths: Sequence[int] = (3, 4),
+        projection_dtype: str = "float64",
     ) -> None:
         if n_buckets < 16 or rank < 1:
             raise ValueError(f"n_buckets must be >= 16 and rank >= 1, got {n_buckets}, {rank}")
+        widths = tuple(int(w) for w in ngram_widths)
+        if len(set(widths)) != len(widths) or any(w < 2 for w in widths):
+            raise ValueError(f"ngram_widths must be distinct and >= 2, got {ngram_widths}")
+        if projection_dtype not in PROJECTION_DTYPES:
+            raise ValueError(
+                f"projection_dtype must be one of {PROJECTION_DTYPES}, got {projection_dtype!r}"
+            )
         self.n_buckets = n_buckets
         self.rank = rank
         self.max_chars = max_chars
         self.seed = seed
         self.fit_max_texts = fit_max_texts
+        self.ngram_widths = widths
+        self.projection_dtype = projection_dtype
         self.idf: npt.NDArray[np.float64] | None = None
         self.components: Float32Array | None = None
-        self._proj: npt.NDArray[np.float64] | None = None
+        self._proj: npt.NDArray[np.floating[Any]] | None = None
         self.scalar_mean = np.zeros(N_SCALAR, dtype=np.float32)
         self.scalar_std = np.ones(N_SCALAR, dtype=np.float32)
 
@@ -256,7 +278,7 @@ class HashedNgramFeaturizer:
 
     def _tfidf(self, texts: Sequence[str]) -> sp.csr_matrix:
         assert self.idf is not None
-        x = hashed_counts(texts, self.n_buckets, self.max_chars)
+        x = hashed_counts(texts, self.n_buckets, self.max_chars, self.ngram_widths)
         # sublinear tf x idf, rows L2-normalised, on the CSR arrays in place: the values
         # of ``diag(1/norm) @ (x @ diag(idf))``, each one product, and the squares summed
         # per row in column order, as scipy's ``sum(axis=1)`` (``np.add.reduceat``) does
@@ -282,7 +304,7 @@ class HashedNgramFeaturizer:
             else np.arange(len(texts))
         )
         sample = [texts[i] for i in pick]
-        counts = hashed_counts(sample, self.n_buckets, self.max_chars)
+        counts = hashed_counts(sample, self.n_buckets, self.max_chars, self.ngram_widths)
         df = np.bincount(counts.indices, minlength=self.n_buckets)
         self.idf = np.log((1.0 + len(sample)) / (1.0 + df)) + 1.0
         x = self._tfidf(sample)
@@ -297,9 +319,9 @@ class HashedNgramFeaturizer:
         if self.components is None:
             raise RuntimeError("HashedNgramFeaturizer: call fit() before transform()")
         if self._proj is None or self._proj.shape != self.components.shape:
-            # C-ordered float64 once: scipy's sparse @ dense otherwise copies the
-            # (transposed, float32) projection on every call, ~2 ms a window
-            self._proj = np.ascontiguousarray(self.components, dtype=np.float64)
+            # C-ordered in the projection's dtype once: scipy's sparse @ dense otherwise
+            # copies the (transposed, float32) projection on every call, ~2 ms a window
+            self._proj = np.ascontiguousarray(self.components, dtype=self.projection_dtype)
         n = len(texts)
         if n <= TRANSFORM_CHUNK:
             return self._transform(texts)
@@ -314,7 +336,10 @@ class HashedNgramFeaturizer:
 
     def _transform(self, texts: Sequence[str]) -> Float32Array:
         assert self._proj is not None
-        z = np.asarray(self._tfidf(texts) @ self._proj, dtype=np.float32)
+        x = self._tfidf(texts)
+        if x.dtype != self._proj.dtype:  # float32: scipy would otherwise widen the matrix
+            x.data = x.data.astype(self._proj.dtype)
+        z = np.asarray(x @ self._proj, dtype=np.float32)
         sc = (_scalar_features(texts) - self.scalar_mean) / self.scalar_std
         return np.hstack([_l2_rows(z), sc.astype(np.float32)])
 
@@ -327,6 +352,8 @@ class HashedNgramFeaturizer:
             "max_chars": self.max_chars,
             "seed": self.seed,
             "fit_max_texts": self.fit_max_texts,
+            "ngram_widths": list(self.ngram_widths),
+            "projection_dtype": self.projection_dtype,
         }
         arrays: dict[str, npt.NDArray[Any]] = {
             "idf": self.idf,
@@ -346,6 +373,9 @@ class HashedNgramFeaturizer:
             max_chars=int(params["max_chars"]),
             seed=int(params["seed"]),
             fit_max_texts=int(params["fit_max_texts"]),
+            # artefacts from before these settings: 3- and 4-grams, a float64 projection
+            ngram_widths=tuple(int(w) for w in params.get("ngram_widths", (3, 4))),
+            projection_dtype=str(params.get("projection_dtype", "float64")),
         )
         f.idf = arrays["idf"].astype(np.float64)
         f.components = arrays["components"].astype(np.float32)

@@ -75,6 +75,20 @@ def register(app: typer.Typer) -> None:
             min=0,
             help="knn: prototypes per query (0: as many as hold k=48 training queries on average)",
         ),
+        ngram_widths: str = typer.Option(
+            "3,4",
+            "--ngram-widths",
+            help="hashed: the character n-grams hashed besides words, comma-separated widths "
+            "(the default predictor uses 3)",
+        ),
+        feature_rank: int = typer.Option(
+            64, "--feature-rank", min=1, help="hashed: dimensions of the projection"
+        ),
+        projection_dtype: str = typer.Option(
+            "float64",
+            "--projection-dtype",
+            help="hashed: float64 or float32 (the default predictor's: half the bytes read)",
+        ),
         blas_threads: int = typer.Option(
             1, "--blas-threads", min=0, help="OpenBLAS threads while training (0: leave as is)"
         ),
@@ -85,6 +99,7 @@ def register(app: typer.Typer) -> None:
         from loaders.predictor import save_predictor
         from offline.datasets import load_routing_data
         from routing.datasets import DataError, split_by_query
+        from routing.features import HashedNgramFeaturizer
         from routing.quality import ESTIMATORS, train_predictor
 
         if estimator not in ESTIMATORS:
@@ -93,6 +108,16 @@ def register(app: typer.Typer) -> None:
             raise _fail(f"--level must be in (0, 1), got {level}")
         if not 0.0 <= test_fraction < 1.0:
             raise _fail(f"--test-fraction must be in [0, 1), got {test_fraction}")
+        feat: str | HashedNgramFeaturizer = featurizer
+        if featurizer == "hashed":
+            try:
+                feat = HashedNgramFeaturizer(
+                    rank=feature_rank,
+                    ngram_widths=[int(w) for w in ngram_widths.split(",") if w.strip()],
+                    projection_dtype=projection_dtype,
+                )
+            except ValueError as e:
+                raise _fail(str(e)) from None
         if blas_threads:
             limit_blas_threads(blas_threads)
         t0 = time.perf_counter()
@@ -105,7 +130,7 @@ def register(app: typer.Typer) -> None:
             pred = train_predictor(
                 train_part,
                 estimator,
-                featurizer,
+                feat,
                 replicates,
                 level,
                 seed=seed,

@@ -190,3 +190,22 @@ def test_train_knn_prototypes_reach_the_artefact(tmp_path: Path) -> None:
             np.testing.assert_array_equal(est.C, est.Z)
         else:
             assert len(est.C) == 16 < len(est.Z)
+
+
+def test_train_featurizer_settings_reach_the_artefact(tmp_path: Path) -> None:
+    from loaders.predictor import load_predictor
+
+    data = _data(tmp_path)
+    cheap = ["--ngram-widths", "3", "--feature-rank", "8", "--projection-dtype", "float32"]
+    for extra, want in (([], ((3, 4), 64, "float64")), (cheap, ((3,), 8, "float32"))):
+        out = tmp_path / f"pred{len(extra)}.npz"
+        base = ["train", "--data", str(data), "--format", "long", "--estimator", "knn"]
+        res = runner.invoke(app, [*base, "--out", str(out), "--replicates", "3", *extra])
+        assert res.exit_code == 0, res.output
+        f = load_predictor(out).featurizer
+        assert (f.ngram_widths, f.rank, f.projection_dtype) == want
+    bad = ["train", "--data", str(data), "--out", str(tmp_path / "p.npz")]
+    res = runner.invoke(app, [*bad, "--projection-dtype", "float16"])
+    assert res.exit_code == 2 and "projection_dtype must be one of" in res.output
+    res = runner.invoke(app, [*bad, "--ngram-widths", "3,3"])
+    assert res.exit_code == 2 and "ngram_widths must be distinct" in res.output

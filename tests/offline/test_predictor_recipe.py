@@ -1,5 +1,5 @@
-"""The default predictor's recipe (offline/predictor.py): its knn settings reach training and
-its cache key."""
+"""The default predictor's recipe (offline/predictor.py): its knn and featurizer settings
+reach training and its cache key."""
 
 from __future__ import annotations
 
@@ -10,23 +10,28 @@ import pytest
 
 import routing.quality
 from offline.predictor import DEFAULT_RECIPE, cache_key, train
+from routing.features import HashedNgramFeaturizer
 
 
 class _Stop(Exception):
     pass
 
 
-def _kwargs_of(recipe: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    seen: dict[str, Any] = {}
+def _call_of(recipe: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple[Any, ...], Any]:
+    seen: list[tuple[tuple[Any, ...], Any]] = []
 
     def fake(*args: Any, **kwargs: Any) -> Any:
-        seen.update(kwargs)
+        seen.append((args, kwargs))
         raise _Stop
 
     monkeypatch.setattr(routing.quality, "train_predictor", fake)
     with pytest.raises(_Stop):
         train(recipe)
-    return seen["estimator_kwargs"]
+    return seen[0]
+
+
+def _kwargs_of(recipe: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    return _call_of(recipe, monkeypatch)[1]["estimator_kwargs"]
 
 
 def test_knn_prototypes_reach_training(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,3 +49,30 @@ def test_prototypes_change_the_cache_key() -> None:
         cache_key(replace(DEFAULT_RECIPE, prototype_k=5)),
     }
     assert len(keys) == 3
+
+
+def test_featurizer_settings_reach_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    feat = _call_of(DEFAULT_RECIPE, monkeypatch)[0][2]
+    assert isinstance(feat, HashedNgramFeaturizer)
+    want = (
+        DEFAULT_RECIPE.ngram_widths,
+        DEFAULT_RECIPE.feature_rank,
+        DEFAULT_RECIPE.projection_dtype,
+    )
+    assert (feat.ngram_widths, feat.rank, feat.projection_dtype) == want
+    other = replace(
+        DEFAULT_RECIPE, ngram_widths=(3, 4), feature_rank=32, projection_dtype="float64"
+    )
+    feat = _call_of(other, monkeypatch)[0][2]
+    assert (feat.ngram_widths, feat.rank, feat.projection_dtype) == ((3, 4), 32, "float64")
+    assert feat.n_buckets == HashedNgramFeaturizer().n_buckets
+
+
+def test_featurizer_settings_change_the_cache_key() -> None:
+    keys = {
+        cache_key(DEFAULT_RECIPE),
+        cache_key(replace(DEFAULT_RECIPE, ngram_widths=(3, 4))),
+        cache_key(replace(DEFAULT_RECIPE, feature_rank=32)),
+        cache_key(replace(DEFAULT_RECIPE, projection_dtype="float64")),
+    }
+    assert len(keys) == 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,98 @@ def test_transform_is_row_by_row_whatever_the_chunks() -> None:
     parts = np.vstack([f.transform(texts[:37]), f.transform(texts[37:])])
     np.testing.assert_array_equal(whole, parts)
     np.testing.assert_array_equal(whole[5], f.transform([texts[5]])[0])
+
+
+CHEAP = {"rank": 8, "ngram_widths": (3,), "projection_dtype": "float32", "n_buckets": 1 << 9}
+
+
+def test_counts_of_widths_add_up() -> None:
+    texts = MATH[:5] + CHINESE[:3] + ["", "ab", "abcd efg"]
+    both = hashed_counts(texts, 1 << 12)
+    three = hashed_counts(texts, 1 << 12, ngram_widths=(3,))
+    four = hashed_counts(texts, 1 << 12, ngram_widths=(4,))
+    words = hashed_counts(texts, 1 << 12, ngram_widths=())
+    np.testing.assert_array_equal(both.toarray(), (three + four - words).toarray())
+    # "abcd efg": 6 trigrams + 2 words
+    assert three[-1].sum() == 8 and words[-1].sum() == 2
+    with_five = hashed_counts(texts, 1 << 12, ngram_widths=(3, 4, 5))
+    assert with_five[-1].sum() == 13 + 4
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="ngram_widths"):
+        HashedNgramFeaturizer(ngram_widths=(3, 3))
+    with pytest.raises(ValueError, match="ngram_widths"):
+        HashedNgramFeaturizer(ngram_widths=(1,))  # would share the words' salt
+    with pytest.raises(ValueError, match="projection_dtype"):
+        HashedNgramFeaturizer(projection_dtype="float16")
+
+
+def test_settings_round_trip_through_the_state_and_the_artefact() -> None:
+    from routing.features import featurizer_from_state
+
+    f = HashedNgramFeaturizer(**CHEAP).fit(MATH + HISTORY + CHINESE)  # type: ignore[arg-type]
+    params, arrays = f.state()
+    assert params["ngram_widths"] == [3] and params["projection_dtype"] == "float32"
+    # the artefact keeps the params in its JSON header
+    g = featurizer_from_state("hashed", json.loads(json.dumps(params)), arrays)
+    assert isinstance(g, HashedNgramFeaturizer)
+    assert (g.n_buckets, g.rank, g.ngram_widths, g.projection_dtype) == (512, 8, (3,), "float32")
+    np.testing.assert_array_equal(f.transform(HISTORY), g.transform(HISTORY))
+    assert g._proj is not None and g._proj.dtype == np.float32
+
+
+def test_artefacts_without_the_settings_featurise_as_before() -> None:
+    """An artefact written before ``ngram_widths`` and ``projection_dtype``: 3- and 4-grams,
+    the float64 projection, the same rows as the formulation it was written with."""
+    f = _fitted()
+    params, arrays = f.state()
+    old = {k: v for k, v in params.items() if k not in ("ngram_widths", "projection_dtype")}
+    g = HashedNgramFeaturizer.from_state(old, arrays)
+    assert g.ngram_widths == (3, 4) and g.projection_dtype == "float64"
+    texts = MATH + CHINESE + ["", "Ünïcödé İstanbul\n\n42"]
+    got = g.transform(texts)
+    np.testing.assert_array_equal(got, f.transform(texts))
+    assert g.components is not None
+    x = g._tfidf(texts)
+    z = np.asarray(x @ g.components.astype(np.float64), np.float32)
+    norm = np.linalg.norm(z, axis=1, keepdims=True)
+    np.testing.assert_array_equal(got[:, :16], (z / np.maximum(norm, 1e-12)).astype(np.float32))
+
+
+def test_float32_projection_is_the_float64_one_to_rounding() -> None:
+    texts = MATH + HISTORY + CHINESE
+    a = HashedNgramFeaturizer(n_buckets=1 << 10, rank=16).fit(texts)
+    b = HashedNgramFeaturizer(n_buckets=1 << 10, rank=16, projection_dtype="float32").fit(texts)
+    np.testing.assert_array_equal(a.components, b.components)  # the fit does not change
+    xa, xb = a.transform(texts + [""]), b.transform(texts + [""])
+    assert not np.array_equal(xa, xb)  # float32 sums round differently
+    np.testing.assert_allclose(xa, xb, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [{}, CHEAP], ids=["default", "cheap"])
+def test_a_text_featurises_the_same_alone_as_in_any_window(settings: dict[str, object]) -> None:
+    from routing.features import TRANSFORM_CHUNK
+
+    f = HashedNgramFeaturizer(**{"n_buckets": 1 << 10, "rank": 16, **settings})  # type: ignore[arg-type]
+    f.fit(MATH + HISTORY + CHINESE)
+    texts = [t + " " + str(i) * (i % 7) for i, t in enumerate((MATH + HISTORY + CHINESE) * 5)]
+    texts += ["", "y" * 4000, "短"]
+    assert len(texts) > TRANSFORM_CHUNK
+    whole = f.transform(texts)
+    np.testing.assert_array_equal(
+        whole, np.vstack([f.transform(texts[:37]), f.transform(texts[37:])])
+    )
+    for i in (0, 5, 61, TRANSFORM_CHUNK, len(texts) - 3, len(texts) - 1):
+        np.testing.assert_array_equal(whole[i], f.transform([texts[i]])[0])
+
+
+@pytest.mark.parametrize("settings", [{}, CHEAP], ids=["default", "cheap"])
+def test_fit_and_transform_are_deterministic(settings: dict[str, object]) -> None:
+    texts = MATH + HISTORY + CHINESE
+    kw = {"n_buckets": 1 << 10, "rank": 16, **settings}
+    a = HashedNgramFeaturizer(**kw).fit(texts)  # type: ignore[arg-type]
+    b = HashedNgramFeaturizer(**kw).fit(texts)  # type: ignore[arg-type]
+    for name, arr in a.state()[1].items():
+        np.testing.assert_array_equal(arr, b.state()[1][name])
+    np.testing.assert_array_equal(a.transform(texts), b.transform(texts))
