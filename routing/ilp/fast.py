@@ -592,6 +592,7 @@ def solve_fast(
     best_obj = p.objective(best_x)
     best_ub = np.inf
     best_mu = 0.0
+    best_v = np.zeros(k)
     deadline_hit = False
     levels = 0
 
@@ -627,7 +628,7 @@ def solve_fast(
         ub = dual_bound(p, mu, v)
         prev_gap = best_ub - best_obj
         if ub < best_ub:
-            best_ub, best_mu = ub, mu
+            best_ub, best_mu, best_v = ub, mu, v
         # rounding is cheap next to a level: also round at nearby budget multipliers,
         # which moves the few near-tied queries to the other side of the budget row
         for scale in (1.0, 0.99, 1.01, 0.97) if mu > 0 else (1.0,):
@@ -659,4 +660,5 @@ def solve_fast(
         solver="fast",
         iterations=f.evals,
         deadline_hit=deadline_hit,
+        capacity_dual=best_v,
     )

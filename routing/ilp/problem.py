@@ -218,6 +218,9 @@ class Solution:
     iterations: int = 0
     deadline_hit: bool = False
     status: str = "ok"
+    # the capacity rows' multipliers (utility per slot, one per column) at ``bound`` when the
+    # solver has them (the fast path), else None: a warm start for a re-solve with cuts
+    capacity_dual: FloatArray | None = None
 
     @property
     def gap(self) -> float:
