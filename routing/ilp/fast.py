@@ -292,13 +292,13 @@ def round_primal(p: BatchProblem, mu: float, v: FloatArray) -> IntArray:
         over = np.flatnonzero(counts > p.cap)
         if not over.size:
             break
-        open_r = np.where(closed, _NEG, r)
+        shut = closed.copy()  # the columns closed before this pass
         evicted: list[IntArray] = []
         for j in over.tolist():
             rows = np.flatnonzero(x == j)
-            alt = open_r[rows].copy()
+            alt = np.where(shut, _NEG, r[rows])  # only the over-full column's rows
             alt[:, j] = _NEG
-            margin = r[rows, j] - alt.max(axis=1)
+            margin = r[rows, j] - _row_max(alt)
             evicted.append(rows[np.argsort(-margin, kind="stable")[int(p.cap[j]) :]])
             counts[j] = p.cap[j]
             closed[j] = True
