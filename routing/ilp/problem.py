@@ -174,8 +174,10 @@ class BatchProblem:
     def group_spend(self, x: IntArray) -> FloatArray:
         assert self.group is not None and self.group_budget_usd is not None
         rows = np.flatnonzero((x >= 0) & (self.group >= 0))
-        out = np.zeros(len(self.group_budget_usd))
-        np.add.at(out, self.group[rows], self.c[rows, x[rows]])
+        # bincount adds the weights in row order, as np.add.at does (the same sums), ~10× faster
+        out: FloatArray = np.bincount(
+            self.group[rows], weights=self.c[rows, x[rows]], minlength=len(self.group_budget_usd)
+        )
         return out
 
     def violations(self, x: IntArray, tol: float = 1e-9) -> list[str]:

@@ -280,3 +280,19 @@ def test_smoothed_dual_without_a_budget_multiplier_is_the_same_bit_for_bit() -> 
         v2, g2 = ref(z)
         assert v1 == v2
         assert g1.tobytes() == g2.tobytes()
+
+
+def test_group_spend_is_np_add_at_bit_for_bit() -> None:
+    """``group_spend`` sums each tenant's costs in row order, as ``np.add.at`` would."""
+    rng = np.random.default_rng(7)
+    n, k, groups = 3000, 4, 5
+    c = rng.uniform(0, 1, (n, k)) * 10.0 ** rng.integers(-9, 3, (n, k))
+    g = rng.integers(-1, groups, n)
+    p = BatchProblem(np.zeros((n, k)), c, np.full(k, n), 1.0, group=g,
+                     group_budget_usd=np.ones(groups))  # fmt: skip
+    x = rng.integers(-1, k, n)
+    rows = np.flatnonzero((x >= 0) & (g >= 0))
+    want = np.zeros(groups)
+    np.add.at(want, g[rows], c[rows, x[rows]])
+    assert p.group_spend(x).tobytes() == want.tobytes()
+    assert p.group_spend(np.full(n, -1)).tobytes() == np.zeros(groups).tobytes()
