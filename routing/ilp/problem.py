@@ -175,8 +175,13 @@ class BatchProblem:
         assert self.group is not None and self.group_budget_usd is not None
         rows = np.flatnonzero((x >= 0) & (self.group >= 0))
         # bincount adds the weights in row order, as np.add.at does (the same sums), ~10× faster
-        out: FloatArray = np.bincount(
-            self.group[rows], weights=self.c[rows, x[rows]], minlength=len(self.group_budget_usd)
+        out: FloatArray = np.asarray(
+            np.bincount(
+                self.group[rows],
+                weights=self.c[rows, x[rows]],
+                minlength=len(self.group_budget_usd),
+            ),
+            dtype=np.float64,
         )
         return out
 
