@@ -292,13 +292,13 @@ def round_primal(p: BatchProblem, mu: float, v: FloatArray) -> IntArray:
         over = np.flatnonzero(counts > p.cap)
         if not over.size:
             break
-        open_r = np.where(closed, _NEG, r)
+        shut = closed.copy()  # the columns closed before this pass
         evicted: list[IntArray] = []
         for j in over.tolist():
             rows = np.flatnonzero(x == j)
-            alt = open_r[rows].copy()
+            alt = np.where(shut, _NEG, r[rows])  # only the over-full column's rows
             alt[:, j] = _NEG
-            margin = r[rows, j] - alt.max(axis=1)
+            margin = r[rows, j] - _row_max(alt)
             evicted.append(rows[np.argsort(-margin, kind="stable")[int(p.cap[j]) :]])
             counts[j] = p.cap[j]
             closed[j] = True
@@ -396,6 +396,7 @@ class _Smoothed:
     evals: int = 0
     _a32: npt.NDArray[np.float32] | None = None
     _c32: npt.NDArray[np.float32] | None = None
+    _c_finite: bool | None = None
 
     def __call__(self, z: FloatArray) -> tuple[float, FloatArray]:
         self.evals += 1
@@ -409,20 +410,30 @@ class _Smoothed:
                 self.a32 - np.float32(mu) * self.c32 - v.astype(np.float32)
             )
             zz *= np.float32(1.0 / t)
+        elif mu == 0.0 and self.c_finite:
+            # a − 0·c is a itself when every cost is finite: the same values, two passes fewer
+            zz = self.a - v
+            zz *= 1.0 / t
         else:
             zz = (self.a - mu * self.c - v) * (1.0 / t)
         d = -self.penalty / t
-        m = np.maximum(_row_max(zz).astype(np.float64), d)
-        zz -= m.astype(zz.dtype)[:, None]
+        m = np.maximum(_row_max(zz).astype(np.float64, copy=False), d)
+        zz -= m.astype(zz.dtype, copy=False)[:, None]
         np.exp(zz, out=zz)
         ed = np.exp(d - m)
         den = _row_sum(zz) + ed
         value = mu * self.budget + float(self.cap @ v) + t * float((m + np.log(den)).sum())
-        zz *= (1.0 / den).astype(zz.dtype)[:, None]
+        zz *= (1.0 / den).astype(zz.dtype, copy=False)[:, None]
         g = np.empty_like(z)
         g[0] = self.budget - float((zz * (self.c32 if big else self.c)).sum(dtype=np.float64))
         g[1:] = self.cap - zz.sum(axis=0, dtype=np.float64)
         return value, g
+
+    @property
+    def c_finite(self) -> bool:
+        if self._c_finite is None:
+            self._c_finite = bool(np.isfinite(self.c).all())
+        return self._c_finite
 
     @property
     def a32(self) -> npt.NDArray[np.float32]:
@@ -581,6 +592,7 @@ def solve_fast(
     best_obj = p.objective(best_x)
     best_ub = np.inf
     best_mu = 0.0
+    best_v = np.zeros(k)
     deadline_hit = False
     levels = 0
 
@@ -616,7 +628,7 @@ def solve_fast(
         ub = dual_bound(p, mu, v)
         prev_gap = best_ub - best_obj
         if ub < best_ub:
-            best_ub, best_mu = ub, mu
+            best_ub, best_mu, best_v = ub, mu, v
         # rounding is cheap next to a level: also round at nearby budget multipliers,
         # which moves the few near-tied queries to the other side of the budget row
         for scale in (1.0, 0.99, 1.01, 0.97) if mu > 0 else (1.0,):
@@ -648,4 +660,5 @@ def solve_fast(
         solver="fast",
         iterations=f.evals,
         deadline_hit=deadline_hit,
+        capacity_dual=best_v,
     )

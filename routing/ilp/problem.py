@@ -174,8 +174,15 @@ class BatchProblem:
     def group_spend(self, x: IntArray) -> FloatArray:
         assert self.group is not None and self.group_budget_usd is not None
         rows = np.flatnonzero((x >= 0) & (self.group >= 0))
-        out = np.zeros(len(self.group_budget_usd))
-        np.add.at(out, self.group[rows], self.c[rows, x[rows]])
+        # bincount adds the weights in row order, as np.add.at does (the same sums), ~10× faster
+        out: FloatArray = np.asarray(
+            np.bincount(
+                self.group[rows],
+                weights=self.c[rows, x[rows]],
+                minlength=len(self.group_budget_usd),
+            ),
+            dtype=np.float64,
+        )
         return out
 
     def violations(self, x: IntArray, tol: float = 1e-9) -> list[str]:
@@ -218,6 +225,9 @@ class Solution:
     iterations: int = 0
     deadline_hit: bool = False
     status: str = "ok"
+    # the capacity rows' multipliers (utility per slot, one per column) at ``bound`` when the
+    # solver has them (the fast path), else None: a warm start for a re-solve with cuts
+    capacity_dual: FloatArray | None = None
 
     @property
     def gap(self) -> float:

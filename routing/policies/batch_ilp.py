@@ -83,15 +83,22 @@ class BatchIlpRouter:
         if robust is not None:
             self.robust = robust
         self._warm = WarmStart()
+        # the capacity multipliers of the last window's last solve, and its columns
+        self._warm_v: np.ndarray | None = None
+        self._warm_cols: tuple[str, ...] = ()
 
-    def _solve(self, problem: BatchProblem, deadline: float | None) -> Solution:
+    def _solve(
+        self, problem: BatchProblem, deadline: float | None, v: np.ndarray | None = None
+    ) -> Solution:
+        """One solve, warm from the last solve's budget multiplier (and, within a window's
+        rounds of TTFT cuts, from the last round's capacity multipliers ``v``)."""
         sol = solve(
             problem,
             self.method,
             gap_tol=self.gap_tol,
             deadline=deadline,
             with_dual=self.method in ("scip", "highs"),  # the fast path reports its μ anyway
-            warm=self._warm,
+            warm=self._warm if v is None else WarmStart(mu=self._warm.mu, v=v),
         )
         if math.isfinite(sol.budget_dual):
             self._warm = WarmStart(mu=sol.budget_dual)
@@ -158,9 +165,23 @@ class BatchIlpRouter:
                     over_ms,
                 )
 
+            # a round's problem is the last one with a pair or a capacity cut, and a window
+            # the last one's on the same instances with other queries: the last solve's
+            # capacity multipliers are close to the optimum (fewer L-BFGS steps)
+            cols = tuple(view.instance_id for view in win.views)
+            last_v = self._warm_v if self._warm_v is not None and self._warm_cols == cols else None
+
+            def solve_round(p: BatchProblem) -> Solution:
+                nonlocal last_v
+                sol = self._solve(p, deadline, last_v)
+                if sol.capacity_dual is not None and sol.iterations > 0:
+                    # (a solve that closed at μ = v = 0 at once keeps the last ones)
+                    last_v = sol.capacity_dual
+                return sol
+
             res = solve_with_ttft_cuts(
                 problem,
-                lambda p: self._solve(p, deadline),
+                solve_round,
                 in_order,
                 slo_check_ms,
                 ~win.estimate,
@@ -168,6 +189,7 @@ class BatchIlpRouter:
                 standalone,
                 self.max_ttft_rounds,
             )
+            self._warm_cols, self._warm_v = cols, last_v
             sol, problem, flagged, still, ttft, rounds = (
                 res.solution,
                 res.problem,

@@ -229,3 +229,70 @@ def test_row_reductions_equal_numpys_bit_for_bit(k: int) -> None:
             assert _row_sum(a).tobytes() == a.sum(axis=1, dtype=np.float64).tobytes()
     f32 = np.exp(np.minimum(z, 0.0)).astype(np.float32)
     assert _row_max(f32).tobytes() == f32.max(axis=1).tobytes()
+
+
+def _capacity_bound_window(seed: int, n: int = 600, k: int = 4) -> BatchProblem:
+    """A window whose best columns hold fewer queries than want them (capacities bind)."""
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(0.2, 0.4, (n, k)) + np.array([0.3, 0.3, 0.0, 0.0])[:k]
+    c = rng.uniform(1e-5, 1e-4, (n, k))
+    return BatchProblem(a, c, np.array([150, 150, 1000, 1000])[:k], float("inf"))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_capacity_cut_resolved_warm_from_the_last_multipliers(seed: int) -> None:
+    """The fast path reports its capacity multipliers; a re-solve after a capacity cut
+    (as a round of TTFT cuts does) started from them is feasible, within its certified
+    gap of the cold solve's bound, and takes fewer evaluations."""
+    from routing.ilp import WarmStart
+
+    p = _capacity_bound_window(seed)
+    first = solve_fast(p)
+    assert first.capacity_dual is not None and first.capacity_dual.shape == (p.k,)
+    assert (first.capacity_dual >= 0).all() and first.capacity_dual[:2].min() > 0  # they bind
+    # the certificate: the bound is D at the reported multipliers
+    assert dual_bound(p, first.budget_dual, first.capacity_dual) == pytest.approx(first.bound)
+    cut = p.with_changes(capacity=np.array([150, 120, 1000, 1000]))
+    cold = solve_fast(cut)
+    warm = solve_fast(cut, warm=WarmStart(mu=first.budget_dual, v=first.capacity_dual))
+    assert cut.violations(warm.assignment) == []
+    assert warm.gap <= 1e-3
+    assert warm.objective >= cold.bound - 1e-3 * abs(cold.bound) - 1e-9
+    assert warm.iterations < cold.iterations
+
+
+def test_smoothed_dual_without_a_budget_multiplier_is_the_same_bit_for_bit() -> None:
+    """At μ = 0 the smoothed dual skips ``a − μ·c``: its value and gradient are those of
+    the full expression to the last bit (masked pairs at −inf, signed zeros included)."""
+    from routing.ilp.fast import _Smoothed
+
+    rng = np.random.default_rng(5)
+    n, k = 500, 4
+    a = rng.uniform(-1, 1, (n, k))
+    a[rng.random((n, k)) < 0.2] = -np.inf
+    a[:5, 0] = -0.0
+    c = rng.uniform(0, 1e-3, (n, k))
+    f = _Smoothed(a=a, c=c, cap=np.full(k, 100.0), budget=0.5, penalty=1.0, tau=0.003)
+    ref = _Smoothed(a=a, c=c, cap=np.full(k, 100.0), budget=0.5, penalty=1.0, tau=0.003)
+    ref._c_finite = False  # forces the full expression
+    for z in (np.array([0.0, 0.0, 0.1, 0.0, 0.3]), np.array([0.0, 0.2, 0.0, 0.05, 0.0])):
+        v1, g1 = f(z)
+        v2, g2 = ref(z)
+        assert v1 == v2
+        assert g1.tobytes() == g2.tobytes()
+
+
+def test_group_spend_is_np_add_at_bit_for_bit() -> None:
+    """``group_spend`` sums each tenant's costs in row order, as ``np.add.at`` would."""
+    rng = np.random.default_rng(7)
+    n, k, groups = 3000, 4, 5
+    c = rng.uniform(0, 1, (n, k)) * 10.0 ** rng.integers(-9, 3, (n, k))
+    g = rng.integers(-1, groups, n)
+    p = BatchProblem(np.zeros((n, k)), c, np.full(k, n), 1.0, group=g,
+                     group_budget_usd=np.ones(groups))  # fmt: skip
+    x = rng.integers(-1, k, n)
+    rows = np.flatnonzero((x >= 0) & (g >= 0))
+    want = np.zeros(groups)
+    np.add.at(want, g[rows], c[rows, x[rows]])
+    assert p.group_spend(x).tobytes() == want.tobytes()
+    assert p.group_spend(np.full(n, -1)).tobytes() == np.zeros(groups).tobytes()

@@ -611,3 +611,47 @@ def test_an_inferred_engine_conditions_decoding_residents_lengths_on_the_finishe
             )[0]
         )
     )  # fmt: skip
+
+
+def test_ttft_rounds_warm_start_from_the_last_solves_capacity_multipliers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each round of TTFT cuts starts its solve from the capacity multipliers of the last
+    solve that computed some (within a window, and into the next window on the same
+    instances); a window on other instances starts cold."""
+    import routing.policies.batch_ilp as batch_ilp
+
+    calls: list[tuple[np.ndarray | None, object]] = []
+    real = batch_ilp.solve
+
+    def spy(problem: object, method: object, **kw: object) -> object:
+        sol = real(problem, method, **kw)  # type: ignore[arg-type]
+        warm = kw["warm"]
+        calls.append((None if warm is None else warm.v, sol))  # type: ignore[attr-defined]
+        return sol
+
+    monkeypatch.setattr(batch_ilp, "solve", spy)
+    router = make_router("batch-ilp-sfs", context())
+    # 60 queries, 2,000-token prompts on a tight SLO: the large instances' TTFT and slots
+    # bind, so the rounds' solves run the dual (not only the μ = v = 0 check)
+    qs = queries([2000] * 60, 1500.0)
+    vs = views([2, 2, 2, 2], [30, 30, 12, 12])
+
+    router.decide(qs, vs, Budget(window_usd=1.0), now=0.0)
+    first = len(calls)
+    assert calls[0][0] is None  # the first window starts cold
+    warmed, last = 0, None
+    for v, sol in calls:
+        if last is not None:  # after a solve that computed multipliers: warm from them
+            assert v is not None and np.array_equal(v, last)
+            warmed += 1
+        if sol.iterations > 0:  # type: ignore[attr-defined]
+            last = sol.capacity_dual  # type: ignore[attr-defined]
+    assert warmed >= 1
+    carried = next(sol for _, sol in reversed(calls) if sol.iterations > 0)  # type: ignore[attr-defined]
+    router.decide(qs, vs, Budget(window_usd=1.0), now=1.0)
+    assert np.array_equal(calls[first][0], carried.capacity_dual)  # type: ignore[attr-defined,arg-type]
+    other = [InstanceView(f"x{j}", v.model, v.state, v.free_slots) for j, v in enumerate(vs)]
+    start = len(calls)
+    router.decide(qs, other, Budget(window_usd=1.0), now=2.0)
+    assert calls[start][0] is None
