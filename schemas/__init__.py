@@ -23,6 +23,7 @@ from schemas.messages import (
     decision_with,
     routed_query_bytes,
     routed_query_raw,
+    trusted_decisions,
 )
 from schemas.parse import BadMessage, Limits, decode_json, parse_model, parse_query
 from schemas.query import ChatMessage, Query
@@ -66,6 +67,7 @@ __all__ = [
     "decode_json",
     "decision_bytes",
     "decision_trusted",
+    "trusted_decisions",
     "decision_with",
     "routed_query_bytes",
     "routed_query_raw",

@@ -21,7 +21,14 @@ import numpy.typing as npt
 from routing.policies.context import DEFAULT_OUTPUT_TOKENS, RouterContext
 from routing.prefix import ColumnPrefix, WindowPrefixes
 from routing.types import Budget, FloatArray, InstanceView, IntArray
-from schemas import Decision, DecisionFlag, DecisionStatus, Query, WindowStats, decision_trusted
+from schemas import (
+    Decision,
+    DecisionFlag,
+    DecisionStatus,
+    Query,
+    WindowStats,
+    trusted_decisions,
+)
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -403,6 +410,17 @@ def overspend(win: Window, out: Outcome, budget: Budget, reason: str) -> None:
         out.flags[i] = [f for f in out.flags[i] if f != DecisionFlag.BUDGET_DEFERRED]
 
 
+# the two shapes of ``decisions``' values (each dict below has exactly these fields)
+_unrouted = trusted_decisions(
+    ("query_id", "tenant", "status", "policy", "flags", "decided_at", "reason", "window")
+)
+_routed = trusted_decisions(
+    ("query_id", "tenant", "status", "instance_id", "model", "policy", "flags",
+     "predicted_quality", "predicted_quality_lb", "predicted_cost_usd", "predicted_ttft_ms",
+     "predicted_output_tokens", "decided_at", "reason", "window")
+)  # fmt: skip
+
+
 def decisions(
     policy: str,
     win: Window,
@@ -413,7 +431,7 @@ def decisions(
 ) -> list[Decision]:
     """Turn an outcome into one ``Decision`` per query, with the window's solver figures.
 
-    The decisions are built unvalidated (``schemas.decision_trusted``) from the window's
+    The decisions are built unvalidated (``schemas.trusted_decisions``) from the window's
     arrays, read once as Python values: every value is of its field's type and within its
     bounds by construction (costs clipped at 0, TTFTs kept only when finite and >= 0)."""
     assignment = out.assignment.tolist()
@@ -453,7 +471,7 @@ def decisions(
             if status == DecisionStatus.ROUTED:
                 status = DecisionStatus.DEFERRED
             result.append(
-                decision_trusted(
+                _unrouted(
                     {
                         "query_id": q.id,
                         "tenant": q.tenant,
@@ -475,7 +493,7 @@ def decisions(
             flags = list(col_flags[k])  # distinct flags already
         t = ttft[j]
         result.append(
-            decision_trusted(
+            _routed(
                 {
                     "query_id": q.id,
                     "tenant": q.tenant,

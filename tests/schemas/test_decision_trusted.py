@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import Decision, DecisionFlag, DecisionStatus, WindowStats, decision_trusted
+from schemas import (
+    Decision,
+    DecisionFlag,
+    DecisionStatus,
+    WindowStats,
+    decision_trusted,
+    trusted_decisions,
+)
 
 STATS = WindowStats(
     window_id="w", n_queries=2, solver="fast", objective=1.0, lp_bound=1.0, gap=0.0,
@@ -54,3 +61,25 @@ def test_defaults_are_fresh_and_fields_checked() -> None:
         decision_trusted({**DEFERRED, "instance": "i0"})
     with pytest.raises(ValueError, match="missing"):
         decision_trusted({k: v for k, v in DEFERRED.items() if k != "tenant"})
+
+
+@pytest.mark.parametrize("values", [ROUTED, DEFERRED])
+def test_trusted_decisions_make_what_decision_trusted_makes(values: dict) -> None:
+    make = trusted_decisions(values.keys())
+    got, want = make(dict(values)), decision_trusted(dict(values))
+    assert got == want and got.model_fields_set == want.model_fields_set
+    assert got.model_dump_json() == want.model_dump_json()
+    assert list(got.__dict__) == list(want.__dict__)
+    # each object its own fields set and its own default lists
+    other = make(dict(values))
+    assert other.model_fields_set is not got.model_fields_set
+    if "flags" not in values:
+        got.flags.append(DecisionFlag.DEADLINE)
+        assert other.flags == []
+
+
+def test_trusted_decisions_check_the_fields_once_when_made() -> None:
+    with pytest.raises(ValueError, match="not fields of Decision"):
+        trusted_decisions([*DEFERRED, "instance"])
+    with pytest.raises(ValueError, match="missing"):
+        trusted_decisions([k for k in DEFERRED if k != "tenant"])
