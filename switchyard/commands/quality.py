@@ -111,10 +111,14 @@ def register(app: typer.Typer) -> None:
         feat: str | HashedNgramFeaturizer = featurizer
         if featurizer == "hashed":
             try:
+                widths = [int(w) for w in ngram_widths.split(",") if w.strip()]
+            except ValueError:
+                raise _fail(
+                    f"--ngram-widths must be comma-separated integers, got {ngram_widths!r}"
+                ) from None
+            try:
                 feat = HashedNgramFeaturizer(
-                    rank=feature_rank,
-                    ngram_widths=[int(w) for w in ngram_widths.split(",") if w.strip()],
-                    projection_dtype=projection_dtype,
+                    rank=feature_rank, ngram_widths=widths, projection_dtype=projection_dtype
                 )
             except ValueError as e:
                 raise _fail(str(e)) from None

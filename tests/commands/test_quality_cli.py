@@ -209,3 +209,5 @@ def test_train_featurizer_settings_reach_the_artefact(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "projection_dtype must be one of" in res.output
     res = runner.invoke(app, [*bad, "--ngram-widths", "3,3"])
     assert res.exit_code == 2 and "ngram_widths must be distinct" in res.output
+    res = runner.invoke(app, [*bad, "--ngram-widths", "3,four"])
+    assert res.exit_code == 2 and "--ngram-widths must be comma-separated integers" in res.output
