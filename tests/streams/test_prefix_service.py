@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from routing.policies import RouterContext, make_router
-from schemas import RoutedQuery
+from schemas import ClusterConfig, RoutedQuery
 from state import StateStore, StateUnavailable, period_id
 from state.prefix import PrefixTouch
 from streams.app import BatchSink
@@ -27,6 +27,19 @@ from tests.streams.test_service import read_topic
 pytestmark = pytest.mark.integration
 
 
+async def _live_service(
+    cfg: ClusterConfig, store: StateStore, producer: object, state: object = None
+) -> RouterService:
+    """Every instance of ``cfg`` heart-beating in ``store``, and a ``batch-ilp-sfs`` service
+    with 10-ms windows over ``state`` (default: the store itself)."""
+    for inst in cfg.instances:
+        spec = cfg.model(inst.model)
+        await store.heartbeat(inst.id, spec.name, 60.0, spec.max_concurrency)
+    router = make_router("batch-ilp-sfs", RouterContext.build(cfg, FakeQuality()))
+    return RouterService(cfg, router, state or store, BatchSink(producer),  # type: ignore[arg-type]
+                         RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+
+
 async def test_routed_prefix_blocks_are_touched_and_read_back(
     kafka_bootstrap: str, redis_url: str
 ) -> None:
@@ -35,12 +48,7 @@ async def test_routed_prefix_blocks_are_touched_and_read_back(
     store = await StateStore.connect(redis_url, namespace=f"t{rid}")
     producer, routes = await service_io(kafka_bootstrap, cfg)
     try:
-        for inst in cfg.instances:
-            spec = cfg.model(inst.model)
-            await store.heartbeat(inst.id, spec.name, 60.0, spec.max_concurrency)
-        router = make_router("batch-ilp-sfs", RouterContext.build(cfg, FakeQuality()))
-        svc = RouterService(cfg, router, store, BatchSink(producer),
-                            RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+        svc = await _live_service(cfg, store, producer)
         ids = [i.id for i in cfg.instances]
         turns = [[11, 12, 13, 14], [11, 12, 13, 14, 15, 16]]  # the second extends the first
         where: list[str] = []
@@ -132,13 +140,8 @@ async def test_prefix_touches_go_after_the_produce_and_their_failure_loses_nothi
     store = await StateStore.connect(redis_url, namespace=f"t{rid}")
     producer, routes = await service_io(kafka_bootstrap, cfg)
     try:
-        for inst in cfg.instances:
-            spec = cfg.model(inst.model)
-            await store.heartbeat(inst.id, spec.name, 60.0, spec.max_concurrency)
-        router = make_router("batch-ilp-sfs", RouterContext.build(cfg, FakeQuality()))
         failing = _TouchesFail(store)
-        svc = RouterService(cfg, router, failing, BatchSink(producer),  # type: ignore[arg-type]
-                            RouterConfig(window_s=0.01), period_id=period_id)  # fmt: skip
+        svc = await _live_service(cfg, store, producer, failing)
         since = int(time.time() * 1000)
         raw = json.dumps({"id": f"{rid}-q", "prompt": "a conversation so far",
                           "prompt_tokens": 512 * 4 + 100, "prefix_hashes": [31, 32, 33, 34],
