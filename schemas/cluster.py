@@ -174,9 +174,10 @@ class ModelSpec(BaseModel):
             left = self.context_tokens() - estimated
             default = np.maximum(1.0, np.minimum(float(self.max_output_tokens), left))
             cap = np.where(own > 0, own, default)
-        discount = (self.input_usd_per_token - self.cached_input_price) * 0.0  # as cost_usd's
+        # cost_usd's discount for no cached tokens is ±0.0, and prices and tokens are >= 0:
+        # subtracting it leaves every value as it is, so it is left out
         out: npt.NDArray[np.float64] = (
-            self.input_usd_per_token * prompt - discount + self.output_usd_per_token * cap
+            self.input_usd_per_token * prompt + self.output_usd_per_token * cap
         )
         return out
 
